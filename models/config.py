@@ -1,0 +1,213 @@
+"""Model configuration: one dataclass for every supported family, parsed from config.json.
+
+Supported `model_type`s: `qwen3_5` (VLM wrapper, text under `text_config`), `qwen3_5_text`,
+`qwen3_5_moe` / `qwen3_5_moe_text` and `qwen3_next`. Defaults follow the transformers
+config classes (QWEN35_REFERENCE.md §1), not any one checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+class ConfigError(ValueError):
+    """A config.json the engine cannot serve."""
+
+
+@dataclass
+class ModelConfig:
+    family: str  # "qwen3_5" | "qwen3_5_moe" | "qwen3_next"
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: list[str]
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    # gated delta net
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # mlp / moe
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # misc
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    mtp_num_hidden_layers: int = 0
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+    is_vlm_wrapper: bool = False
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    def layer_is_moe(self, layer_idx: int) -> bool:
+        """Which MLP a decoder layer (or the MTP layer, index -1 => same rule as family) uses."""
+        if self.num_experts <= 0:
+            return False
+        if self.family == "qwen3_5_moe":
+            return True
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    """Turn a config.json dict into a ModelConfig, or raise ConfigError naming the problem."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    is_vlm = model_type in ("qwen3_5", "qwen3_5_moe")
+    text = raw
+    if is_vlm:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"model_type {model_type!r} needs a 'text_config' object")
+    family = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+              "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}[model_type]
+    defaults = {
+        "qwen3_5": dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                        num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
+        "qwen3_5_moe": dict(vocab_size=248320, hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                            num_experts_per_tok=8, num_experts=256),
+        "qwen3_next": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                           num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                           moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                           num_experts_per_tok=10, num_experts=512),
+    }[family]
+
+    def get(key, default=None):
+        if key in text:
+            return text[key]
+        if key in raw:  # some VLM wrappers keep keys (e.g. tie_word_embeddings) at the top level
+            return raw[key]
+        return defaults.get(key, default)
+
+    try:
+        n_layers = int(get("num_hidden_layers"))
+        layer_types = get("layer_types")
+        if layer_types is None:
+            interval = int(get("full_attention_interval", 4))
+            layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
+        layer_types = list(layer_types)
+        if len(layer_types) != n_layers or any(t not in (LINEAR, FULL) for t in layer_types):
+            raise ConfigError(
+                f"layer_types must list {n_layers} entries of {LINEAR!r}/{FULL!r}, got {layer_types!r}"
+            )
+        rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ConfigError(f"unsupported rope_type {rope_type!r} (only 'default' is implemented)")
+        tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        eos = _as_list(text.get("eos_token_id", raw.get("eos_token_id")))
+        cfg = ModelConfig(
+            family=family,
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size")),
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            num_attention_heads=int(get("num_attention_heads")),
+            num_key_value_heads=int(get("num_key_value_heads")),
+            head_dim=int(get("head_dim", 256)),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            linear_num_key_heads=int(get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(get("linear_num_value_heads")),
+            linear_key_head_dim=int(get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(get("intermediate_size") or 0),
+            num_experts=int(get("num_experts", 0) or 0),
+            num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True,
+            decoder_sparse_step=int(get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=[int(i) for i in (get("mlp_only_layers") or [])],
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
+            eos_token_id=eos,
+            torch_dtype=get("torch_dtype") or get("dtype"),
+            is_vlm_wrapper=is_vlm,
+        )
+    except (TypeError, KeyError) as e:  # a key present with a value of the wrong kind
+        raise ConfigError(f"malformed config.json: {e}") from e
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+    if cfg.rotary_dim % 2:
+        raise ConfigError(f"rotary dim {cfg.rotary_dim} (head_dim * partial_rotary_factor) must be even")
+    if family == "qwen3_5" and cfg.intermediate_size <= 0:
+        raise ConfigError("intermediate_size must be positive for a dense model")
+    return cfg
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"model folder not found: {folder}")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json in model folder {folder}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return parse_config(raw)
