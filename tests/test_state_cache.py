@@ -1,0 +1,335 @@
+"""state_cache: each verb, its errors, the budget arithmetic, and random op sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybrid_engine.state_cache import (
+    BlockAllocator,
+    CacheCapacityError,
+    CacheSpec,
+    HybridCacheManager,
+    SlotAllocator,
+)
+
+BLOCK_SIZE = 4
+
+
+def tiny_spec(**overrides) -> CacheSpec:
+    fields = dict(
+        num_attention_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK_SIZE, kv_dtype=torch.bfloat16,
+        num_gdn_layers=3, conv_dim=12, conv_kernel=4,
+        num_v_heads=2, key_head_dim=4, value_head_dim=6, conv_dtype=torch.bfloat16,
+    )
+    return CacheSpec(**(fields | overrides))
+
+
+def tensor_bytes(manager: HybridCacheManager) -> int:
+    tensors = manager.kv_caches + manager.conv_states + manager.recurrent_states
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def snapshot(manager: HybridCacheManager, request_ids) -> tuple:
+    held = {}
+    for rid in filter(manager.has, request_ids):
+        c = manager.get(rid)
+        held[rid] = (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens)
+    return held, manager.num_free_blocks, manager.num_free_slots
+
+
+# -- spec ---------------------------------------------------------------------------------
+
+
+def test_spec_bytes_count_every_layer_and_both_kinds():
+    spec = tiny_spec()
+    assert spec.bytes_per_block == 2 * (2 * BLOCK_SIZE * 2 * 8) * 2  # layers * (K,V * tokens * heads * dim) * bf16
+    assert spec.bytes_per_slot == 3 * (12 * 3 * 2 + 2 * 4 * 6 * 4)  # layers * (conv bf16 + state fp32)
+    assert spec.blocks_for(0) == 0 and spec.blocks_for(4) == 1 and spec.blocks_for(5) == 2
+
+
+def test_spec_rejects_nonsense_sizes():
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        tiny_spec(block_size=0)
+    with pytest.raises(ValueError, match="conv_kernel must be an int >= 2"):
+        tiny_spec(conv_kernel=1)
+    assert tiny_spec(num_gdn_layers=0).bytes_per_slot == 0
+
+
+# -- allocators ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("allocator_cls, kind", [(BlockAllocator, "KV block"), (SlotAllocator, "state slot")])
+def test_allocator_contract(allocator_cls, kind):
+    pool = allocator_cls(4)
+    a = pool.allocate(3)
+    assert sorted(a) == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(CacheCapacityError, match=f"asked for 2 {kind}s but only 1 of 4 are free"):
+        pool.allocate(2)
+    assert pool.num_free == 1  # refusal changed nothing
+    b = pool.allocate(1)
+    assert set(a).isdisjoint(b) and pool.num_free == 0
+    pool.free(a)
+    for block in a:
+        with pytest.raises(ValueError, match="not allocated"):
+            pool.free([block])  # double free
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([99])  # never existed
+    with pytest.raises(ValueError, match="more than once"):
+        pool.free([b[0], b[0]])
+    assert pool.num_free == 3  # the refused frees released nothing, not even b
+    pool.free(b)
+    assert pool.num_free == 4 and sorted(pool.allocate(4)) == [0, 1, 2, 3]
+
+
+# -- manager: memory ------------------------------------------------------------------------
+
+
+def test_tensors_have_the_documented_shapes_and_are_zero():
+    spec = tiny_spec()
+    m = HybridCacheManager(spec, num_blocks=5, num_slots=3)
+    assert len(m.kv_caches) == 2 and len(m.conv_states) == 3 and len(m.recurrent_states) == 3
+    for kv in m.kv_caches:
+        assert kv.shape == (5, 2, BLOCK_SIZE, 2, 8) and kv.dtype == torch.bfloat16
+    for conv in m.conv_states:
+        assert conv.shape == (3, 12, 3) and conv.dtype == torch.bfloat16
+    for state in m.recurrent_states:
+        assert state.shape == (3, 2, 4, 6) and state.dtype == torch.float32
+    assert all(not t.any() for t in m.kv_caches + m.conv_states + m.recurrent_states)
+    assert tensor_bytes(m) == 5 * spec.bytes_per_block + 3 * spec.bytes_per_slot
+    # one tensor per layer, not views of one another
+    assert m.kv_caches[0].data_ptr() != m.kv_caches[1].data_ptr()
+
+
+def test_slot_contents_survive_free_and_reallocate():
+    m = HybridCacheManager(tiny_spec(), num_blocks=2, num_slots=1)
+    slot = m.allocate("a", 1).slot
+    m.recurrent_states[0][slot].fill_(7.0)
+    m.free("a")
+    assert m.allocate("b", 1).slot == slot
+    assert (m.recurrent_states[0][slot] == 7.0).all()  # not zeroed: has_initial_state=False is the model's job
+
+
+# -- manager: verbs -----------------------------------------------------------------------
+
+
+def test_allocate_get_free():
+    m = HybridCacheManager(tiny_spec(), num_blocks=8, num_slots=4)
+    assert m.can_admit(9, num_draft_slots=2)
+    cache = m.allocate("a", 9, num_draft_slots=2)
+    assert len(cache.block_table) == 3 and cache.num_tokens == 9 and len(cache.draft_slots) == 2
+    assert len({cache.slot, *cache.draft_slots}) == 3
+    assert m.get("a") is cache and m.has("a") and not m.has("b")
+    assert (m.num_free_blocks, m.num_free_slots) == (5, 1)
+    with pytest.raises(ValueError, match="'a' already holds cache memory"):
+        m.allocate("a", 1)
+    m.free("a")
+    assert (m.num_free_blocks, m.num_free_slots) == (8, 4) and not m.has("a")
+    with pytest.raises(KeyError, match="'a' holds no cache memory"):
+        m.free("a")
+    with pytest.raises(KeyError, match="'zz' holds no cache memory"):
+        m.get("zz")
+
+
+def test_admission_needs_both_kinds():
+    m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=2)
+    assert not m.can_admit(17)  # 5 blocks > 4
+    assert not m.can_admit(4, num_draft_slots=2)  # 3 slots > 2
+    with pytest.raises(CacheCapacityError, match=r"'r' needs 1 KV blocks \(4 free\) and 3 state slots \(2 free\)"):
+        m.allocate("r", 4, num_draft_slots=2)
+    assert (m.num_free_blocks, m.num_free_slots) == (4, 2) and not m.has("r")
+    m.allocate("r", 16, num_draft_slots=1)
+    assert (m.num_free_blocks, m.num_free_slots) == (0, 0)
+    assert not m.can_admit(0)  # no slot left even for an empty prompt
+
+
+def test_grow_and_truncate():
+    m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=2)
+    table = m.allocate("a", 3).block_table
+    assert m.blocks_needed("a", 4) == 0 and m.blocks_needed("a", 5) == 1 and m.blocks_needed("a", 1) == 0
+    m.grow("a", 4)
+    assert len(table) == 1 and m.get("a").num_tokens == 4
+    first = list(table)
+    m.grow("a", 13)
+    assert len(table) == 4 and table[:1] == first and m.num_free_blocks == 0
+    assert not m.can_grow("a", 17) and m.can_grow("a", 16)
+    with pytest.raises(CacheCapacityError, match="needs 1 more KV blocks to hold 17 tokens but only 0 of 4"):
+        m.grow("a", 17)
+    with pytest.raises(ValueError, match="use truncate"):
+        m.grow("a", 12)
+    kept = table[:2]
+    m.truncate("a", 5)  # rejected drafts: 13 -> 5 tokens keeps ceil(5/4) = 2 blocks
+    assert table == kept and m.get("a").num_tokens == 5 and m.num_free_blocks == 2
+    with pytest.raises(ValueError, match="cannot truncate to 6"):
+        m.truncate("a", 6)
+    m.truncate("a", 0)
+    assert table == [] and m.num_free_blocks == 4 and m.num_free_slots == 1  # the slot stays held
+
+
+def test_promote_draft_slot_swaps_ids():
+    m = HybridCacheManager(tiny_spec(), num_blocks=2, num_slots=4)
+    cache = m.allocate("a", 1, num_draft_slots=3)
+    slot, drafts = cache.slot, list(cache.draft_slots)
+    m.promote_draft_slot("a", 1)
+    assert cache.slot == drafts[1] and cache.draft_slots == [drafts[0], slot, drafts[2]]
+    assert m.num_free_slots == 0
+    with pytest.raises(IndexError, match="has 3 draft slots; no draft index 3"):
+        m.promote_draft_slot("a", 3)
+    with pytest.raises(IndexError):
+        m.promote_draft_slot("a", -1)
+    m.free("a")
+    assert m.num_free_slots == 4
+
+
+def test_usage_reports_both_kinds_in_bytes():
+    spec = tiny_spec()
+    m = HybridCacheManager(spec, num_blocks=6, num_slots=3)
+    m.allocate("a", 5, num_draft_slots=1)
+    u = m.usage()
+    assert u["num_requests"] == 1
+    assert (u["blocks_total"], u["blocks_used"], u["blocks_free"]) == (6, 2, 4)
+    assert (u["slots_total"], u["slots_used"], u["slots_free"]) == (3, 2, 1)
+    assert u["kv_bytes_total"] == 6 * spec.bytes_per_block and u["kv_bytes_used"] == 2 * spec.bytes_per_block
+    assert u["state_bytes_total"] == 3 * spec.bytes_per_slot and u["state_bytes_used"] == 2 * spec.bytes_per_slot
+
+
+# -- budget -------------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    budget=st.integers(0, 200_000),
+    max_num_seqs=st.integers(1, 8),
+    draft_slots=st.integers(0, 3),
+    state_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_from_budget_fills_the_budget_exactly(budget, max_num_seqs, draft_slots, state_dtype):
+    spec = tiny_spec(state_dtype=state_dtype)
+    slot_bytes = max_num_seqs * (1 + draft_slots) * spec.bytes_per_slot
+    if budget < slot_bytes + max_num_seqs * spec.bytes_per_block:
+        with pytest.raises(ValueError, match="too small"):
+            HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots)
+        return
+    m = HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots)
+    assert m.num_slots == max_num_seqs * (1 + draft_slots)
+    assert m.num_blocks >= max_num_seqs
+    assert tensor_bytes(m) <= budget
+    assert tensor_bytes(m) + spec.bytes_per_block > budget  # one more block would not fit
+
+
+def test_from_budget_error_names_the_shortfall():
+    spec = tiny_spec()
+    need = 4 * 2 * spec.bytes_per_slot + 4 * spec.bytes_per_block
+    with pytest.raises(ValueError, match=f"8 state slots.*need at least {need} bytes"):
+        HybridCacheManager.from_budget(spec, need - 1, max_num_seqs=4, draft_slots_per_seq=1)
+    assert HybridCacheManager.from_budget(spec, need, max_num_seqs=4, draft_slots_per_seq=1).num_blocks == 4
+
+
+# -- random op sequences --------------------------------------------------------------------
+
+REQUEST_IDS = ["a", "b", "c", ("d", 1), 5]
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random allocate/grow/truncate/promote/free over a few requests; a small pool so that
+    refusals are common. A plain dict model tracks what each request should hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = HybridCacheManager(tiny_spec(), num_blocks=10, num_slots=6)
+        self.tokens: dict = {}  # request id -> num_tokens it should hold
+
+    def refused(self, exc_type, call) -> None:
+        before = snapshot(self.m, REQUEST_IDS)
+        with pytest.raises(exc_type):
+            call()
+        assert snapshot(self.m, REQUEST_IDS) == before
+
+    @rule(rid=st.sampled_from(REQUEST_IDS), num_tokens=st.integers(0, 30), drafts=st.integers(0, 3))
+    def allocate(self, rid, num_tokens, drafts):
+        if self.m.has(rid):
+            self.refused(ValueError, lambda: self.m.allocate(rid, num_tokens, drafts))
+        elif self.m.can_admit(num_tokens, drafts):
+            cache = self.m.allocate(rid, num_tokens, drafts)
+            assert len(cache.draft_slots) == drafts
+            self.tokens[rid] = num_tokens
+        else:
+            self.refused(CacheCapacityError, lambda: self.m.allocate(rid, num_tokens, drafts))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(0, 12))
+    def grow(self, data, extra):
+        rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
+        new = self.tokens[rid] + extra
+        prefix = list(self.m.get(rid).block_table)
+        if self.m.can_grow(rid, new):
+            self.m.grow(rid, new)
+            assert self.m.get(rid).block_table[: len(prefix)] == prefix
+            self.tokens[rid] = new
+        else:
+            self.refused(CacheCapacityError, lambda: self.m.grow(rid, new))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def truncate(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
+        new = data.draw(st.integers(0, self.tokens[rid]))
+        kept = self.m.get(rid).block_table[: self.m.spec.blocks_for(new)]
+        self.m.truncate(rid, new)
+        assert self.m.get(rid).block_table == kept
+        self.tokens[rid] = new
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def promote(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
+        cache = self.m.get(rid)
+        index = data.draw(st.integers(0, len(cache.draft_slots)))  # one past the end: refused
+        if index == len(cache.draft_slots):
+            self.refused(IndexError, lambda: self.m.promote_draft_slot(rid, index))
+            return
+        held = {cache.slot, *cache.draft_slots}
+        new_slot = cache.draft_slots[index]
+        self.m.promote_draft_slot(rid, index)
+        assert cache.slot == new_slot and {cache.slot, *cache.draft_slots} == held
+
+    @rule(rid=st.sampled_from(REQUEST_IDS))
+    def free(self, rid):
+        if rid in self.tokens:
+            self.m.free(rid)
+            del self.tokens[rid]
+        else:
+            self.refused(KeyError, lambda: self.m.free(rid))
+
+    @invariant()
+    def each_block_and_slot_has_one_owner(self):
+        blocks, slots = [], []
+        for rid, num_tokens in self.tokens.items():
+            cache = self.m.get(rid)
+            assert cache.num_tokens == num_tokens
+            assert len(cache.block_table) == self.m.spec.blocks_for(num_tokens)
+            blocks += cache.block_table
+            slots += [cache.slot, *cache.draft_slots]
+        assert len(set(blocks)) == len(blocks) and len(set(slots)) == len(slots)
+        assert len(blocks) + self.m.num_free_blocks == self.m.num_blocks
+        assert len(slots) + self.m.num_free_slots == self.m.num_slots
+        usage = self.m.usage()
+        assert (usage["blocks_used"], usage["slots_used"]) == (len(blocks), len(slots))
+        # What is free is exactly what nobody owns: take it all, compare, give it back.
+        for pool, owned, total in [(self.m._blocks, blocks, self.m.num_blocks), (self.m._slots, slots, self.m.num_slots)]:
+            spare = pool.allocate(pool.num_free)
+            assert sorted(spare + owned) == list(range(total))
+            pool.free(spare)
+
+    def teardown(self):
+        for rid in list(self.tokens):
+            self.m.free(rid)
+        assert (self.m.num_free_blocks, self.m.num_free_slots) == (self.m.num_blocks, self.m.num_slots)
+        assert self.m.usage()["num_requests"] == 0
+
+
+CacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestCacheMachine = CacheMachine.TestCase
