@@ -1,0 +1,34 @@
+"""Engine configuration: what LLM(...) accepts, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    speculative_config: dict | None = None
+    device: str = "cpu"
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step")
+        if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
+                                                    or self.cache_memory_bytes <= 0):
+            raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")

@@ -1,0 +1,229 @@
+"""The engine loop: add requests, step, abort. One step = schedule, build, forward, sample, update."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import torch
+
+from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
+from hybrid_engine.state_cache import CacheSpec, HybridCacheManager
+
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
+from .sampler import Sampler, SamplingRow
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .step_inputs import StepInputBuilder
+from .tokenizer import IncrementalDetokenizer, load_tokenizer
+
+# Default KV budget when cache_memory_bytes is not given: this many tokens per sequence slot.
+DEFAULT_KV_TOKENS_PER_SEQ = 4096
+
+
+def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int) -> CacheSpec:
+    dtype = model.embed_tokens.weight.dtype
+    return CacheSpec(
+        num_attention_layers=model.num_kv_layers, num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, block_size=block_size, kv_dtype=dtype,
+        num_gdn_layers=len(cfg.linear_attention_layers), conv_dim=cfg.conv_dim,
+        conv_kernel=cfg.linear_conv_kernel_dim, num_v_heads=cfg.linear_num_value_heads,
+        key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
+        conv_dtype=dtype, state_dtype=torch.float32,
+    )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        if config.model is None:
+            from .default_model import default_model_path
+            config.model = str(default_model_path())
+        self.model, self.model_config = load_model(config.model, config.dtype, config.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.num_draft_slots = 0
+        spec = cache_spec_for(self.model_config, self.model, config.block_size)
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        budget = config.cache_memory_bytes
+        if budget is None:
+            per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)
+            budget = config.max_num_seqs * ((1 + self.num_draft_slots) * spec.bytes_per_slot
+                                            + per_seq_blocks * spec.bytes_per_block)
+        self.cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs,
+                                                    self.num_draft_slots, device=config.device)
+        # A request can never hold more tokens than the whole KV pool.
+        self.max_model_len = min(max_len, self.cache.num_blocks * config.block_size)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.num_draft_slots)
+        self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
+                                        math.ceil(self.max_model_len / config.block_size) + 1,
+                                        config.block_size, config.device)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = list(self.model_config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            if self.tokenizer.eos_token_id not in self.eos_token_ids:
+                self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+    # ---- requests ----------------------------------------------------------------------
+    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """Validates one prompt (str or list of token ids) -> (text, token ids); ValueError if bad."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompt given but the model folder has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise ValueError("prompt encodes to no tokens")
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("a token-id prompt must be a list of ints")
+            ids, text = list(prompt), None
+        else:
+            raise ValueError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the maximum is {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len})")
+        return text, ids
+
+    def validate_params(self, params) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.model_config.vocab_size)
+        return params
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue one request; a bad one raises ValueError and changes nothing."""
+        params = self.validate_params(params)
+        text, ids = self.encode_prompt(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, text, ids, params, self.eos_token_ids)
+        self.requests[request_id] = req
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its memory at once."""
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return None
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        self._detok.pop(req.request_id, None)
+        return self._output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward for the whole mixed batch; returns outputs of requests that advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress: no request fits the cache")
+            return []
+        now = time.monotonic()
+        for req, _ in sched.prefills:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        inputs = self.builder.build(sched, self.cache)
+        logits = self.runner.forward(inputs)
+        for req, n in sched.prefills:
+            req.num_computed_tokens += n
+        for req in sched.decodes:
+            req.num_computed_tokens += 1
+        rows = [self._sampling_row(r) for r in inputs.sampled_requests]
+        sampled = self.sampler(logits, rows)
+        outputs = []
+        for req, tok, lp in zip(inputs.sampled_requests, sampled.token_ids, sampled.logprobs):
+            outputs.append(self._append_token(req, tok, lp))
+        return outputs
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        banned = []
+        if len(req.output_token_ids) < req.params.min_tokens:
+            banned = list(req.params.stop_token_ids or [])
+            if not req.params.ignore_eos:
+                banned += req.eos_token_ids
+        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator, banned)
+
+    def _append_token(self, req: Request, tok: int, logprobs) -> RequestOutput:
+        now = time.monotonic()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(tok)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        p = req.params
+        prev_len = len(req.text)
+        delta = ""
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            delta = detok.update(req.output_token_ids)
+            req.text = detok.text
+        if not p.ignore_eos and tok in req.eos_token_ids:
+            req.finish_reason = "stop"
+        elif p.stop_token_ids and tok in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", tok
+        elif p.stop and detok is not None and self._cut_at_stop_string(req, len(delta)):
+            delta = req.text[prev_len:]
+        if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
+                                          or req.num_tokens >= self.max_model_len):
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self._detok.pop(req.request_id, None)
+        return self._output(req, [tok], delta)
+
+    def _cut_at_stop_string(self, req: Request, delta_len: int) -> bool:
+        longest = max(len(s) for s in req.params.stop)
+        search_from = max(0, len(req.text) - delta_len - longest + 1)
+        hits = [(i, s) for s in req.params.stop if (i := req.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        req.text = req.text[:i]
+        req.finish_reason, req.stop_reason = "stop", s
+        return True
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        m = req.metrics
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            text=req.text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            finished=req.finish_reason is not None, stop_reason=req.stop_reason,
+            metrics={"time_to_first_token": m.time_to_first_token,
+                     "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
+                     "num_preemptions": req.num_preemptions},
+            new_token_ids=new_ids, new_text=new_text,
+        )

@@ -1,0 +1,22 @@
+"""Runs one forward over a packed mixed batch and returns logits for the rows that sample."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_engine.models import HybridForCausalLM
+from hybrid_engine.state_cache import HybridCacheManager
+
+from .step_inputs import StepInputs
+
+
+class ModelRunner:
+    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager):
+        self.model = model
+        self.cache = cache
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """-> float32 logits [num sampled rows, vocab]; lm_head runs only on those rows."""
+        hidden = self.model(inputs.input_ids, inputs.batch, self.cache)
+        return self.model.compute_logits(hidden[inputs.batch.logits_indices]).float()

@@ -1,0 +1,202 @@
+"""Batched sampling: one row of logits per request, each row with its own SamplingParams.
+
+Processing order follows vLLM: penalties on the raw logits, banned tokens -> -inf, then
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are taken from
+the raw logits, before any of that (vLLM's default).
+
+The pieces (`apply_penalties`, `mask_banned_tokens`, `processed_probs`,
+`Sampler.sample_from_probs`) work on any [N, V] block with one SamplingRow per row, so
+the speculative verifier can flatten [B, T, V] to [B*T, V] with one row per position
+(its output_token_ids extended by the drafts before that position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from hybrid_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # None: the sampler's default generator
+    banned_token_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row; None where params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self.seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        _check_batch(logits, rows)
+        raw = logits.float()
+        if all(row.params.is_greedy for row in rows):
+            tokens = mask_banned_tokens(apply_penalties(raw, rows), rows).argmax(dim=-1)
+        else:
+            probs = processed_probs(raw, rows)
+            tokens = probs.argmax(dim=-1)  # greedy rows: the index of their one-hot
+            sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+            tokens[sampled] = self.sample_from_probs(probs[sampled], [rows[i].generator for i in sampled])
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=_raw_logprobs(raw, tokens, rows))
+
+    def sample_from_probs(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+        """One token per row of `probs` [N, V], drawn with that row's generator.
+
+        argmax(p / E) with E ~ Exponential(1) i.i.d. is a draw from p (the exponential race),
+        and each row's noise comes from its own generator, so a seeded request gets the
+        same tokens whatever else is in the batch and wherever its row sits.
+        """
+        noise = torch.empty_like(probs)
+        default = self._default_generator(probs.device)
+        if all(g is None for g in generators):
+            noise.exponential_(generator=default)
+        else:
+            for row_noise, g in zip(noise, generators):
+                row_noise.exponential_(generator=g if g is not None else default)
+        # A zero draw would turn a banned token's 0/0 into NaN, which argmax would pick.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._default_generators:
+            g = torch.Generator(device=device)
+            if self.seed is None:
+                g.seed()
+            else:
+                g.manual_seed(self.seed)
+            self._default_generators[device] = g
+        return self._default_generators[device]
+
+
+def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """Repetition (prompt + output), frequency and presence (output only) penalties.
+
+    Returns a new tensor, or `logits` itself when no row asks for a penalty.
+    """
+    params = [row.params for row in rows]
+    repetition = [p.repetition_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    presence = [p.presence_penalty for p in params]
+    if all(r == 1.0 for r in repetition) and not any(frequency) and not any(presence):
+        return logits
+    vocab_size = logits.shape[-1]
+    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, logits)
+    if any(r != 1.0 for r in repetition):
+        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab_size, logits)
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        penalty = logits.new_tensor(repetition).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    frequency_t = logits.new_tensor(frequency).unsqueeze(1)
+    presence_t = logits.new_tensor(presence).unsqueeze(1)
+    return logits - frequency_t * output_counts - presence_t * (output_counts > 0)
+
+
+def mask_banned_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """Set each row's banned tokens to -inf; returns `logits` itself when none are banned."""
+    row_ids = [i for i, row in enumerate(rows) for _ in row.banned_token_ids]
+    if not row_ids:
+        return logits
+    token_ids = [t for row in rows for t in row.banned_token_ids]
+    index = (torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device))
+    return logits.index_put(index, logits.new_tensor(float("-inf")))
+
+
+def processed_probs(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """The distribution each row is sampled from [N, V]: after penalties, banned tokens,
+    temperature, top-k, top-p and min-p; one-hot at the argmax for greedy rows."""
+    _check_batch(logits, rows)
+    logits = mask_banned_tokens(apply_penalties(logits.float(), rows), rows)
+    probs = torch.empty_like(logits)
+    greedy = torch.tensor([row.params.is_greedy for row in rows], device=logits.device)
+    if greedy.any():
+        greedy_logits = logits[greedy]
+        one_hot = torch.zeros_like(greedy_logits)
+        probs[greedy] = one_hot.scatter_(1, greedy_logits.argmax(dim=-1, keepdim=True), 1.0)
+    if not greedy.all():
+        params = [row.params for row, g in zip(rows, greedy.tolist()) if not g]
+        probs[~greedy] = _truncated_softmax(logits[~greedy], params)
+    return probs
+
+
+def _truncated_softmax(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    temperature = logits.new_tensor([p.temperature for p in params]).unsqueeze(1)
+    logits = logits / temperature
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = logits.new_tensor(min_p).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
+    """Keep each row's k best tokens, then the smallest prefix of those (by probability,
+    renormalised over the k) whose mass reaches top_p; the best token always stays."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([vocab_size if k == -1 else min(k, vocab_size) for k in top_k], device=logits.device)
+    rank = torch.arange(vocab_size, device=logits.device)
+    drop = rank >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    p = logits.new_tensor(top_p).unsqueeze(1)
+    # top_p == 1 keeps everything: the rounding in the cumsum must not drop the tail.
+    drop |= (mass_before >= p) & (p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _raw_logprobs(raw: Tensor, tokens: Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+    """Per row asking for N logprobs: the N most likely tokens plus the chosen one."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[dict[int, float] | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = raw[wanted].log_softmax(dim=-1)
+    n = min(max(rows[i].params.logprobs for i in wanted), raw.shape[-1])
+    top_values, top_ids = logprobs.topk(n, dim=-1)
+    chosen = tokens[wanted]
+    chosen_values = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    for i, ids, values, token, value in zip(
+        wanted, top_ids.tolist(), top_values.tolist(), chosen.tolist(), chosen_values.tolist()
+    ):
+        n_row = rows[i].params.logprobs
+        entry = dict(zip(ids[:n_row], values[:n_row]))
+        entry.setdefault(token, value)
+        result[i] = entry
+    return result
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, like: Tensor) -> Tensor:
+    """[N, V] occurrence counts, in `like`'s dtype and device."""
+    width = max((len(ids) for ids in token_lists), default=0)
+    counts = like.new_zeros(len(token_lists), vocab_size + 1)  # column V collects the padding
+    if width:
+        padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
+        index = torch.tensor(padded, device=like.device)
+        counts.scatter_add_(1, index, like.new_ones(index.shape))
+    return counts[:, :vocab_size]
+
+
+def _check_batch(logits: Tensor, rows: list[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"expected logits [{len(rows)}, V] for {len(rows)} rows, got {list(logits.shape)}")

@@ -1,0 +1,97 @@
+"""Per-request sampling parameters, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+# Below this temperature the row is treated as greedy, as in vLLM (_SAMPLING_EPS): dividing
+# logits by a tiny positive temperature overflows float32 and gains nothing over argmax.
+GREEDY_TEMPERATURE = 1e-5
+
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    ignore_eos: bool = False
+    logprobs: int | None = None  # N most likely tokens (plus the chosen one) per step
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        if not _is_int(vocab_size) or vocab_size < 1:
+            _fail("vocab_size", vocab_size, "a positive int")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            _fail("temperature", self.temperature, "a finite number >= 0")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            _fail("top_k", self.top_k, "-1 (disabled) or an int >= 1")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "in [0, 1]")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+            _fail("repetition_penalty", rp, "a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                _fail(name, value, "in [-2, 2]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "an int >= 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            _fail("seed", self.seed, "None or an int in [-2**63, 2**64)")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", self.stop, "None, a non-empty str or a list of non-empty str")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids
+        ):
+            _fail("stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", self.ignore_eos, "a bool")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= vocab_size):
+            _fail("logprobs", self.logprobs, f"None or an int in [0, {vocab_size}]")
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True as a seed or a token count is a caller's mistake.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _fail(name: str, value: object, expected: str) -> None:
+    raise ValueError(f"{name} must be {expected}, got {value!r}")

@@ -1,0 +1,113 @@
+"""One scheduler for both cache kinds: continuous batching with chunked prefill and preemption.
+
+Every step re-chooses the batch under `max_num_seqs` and `max_num_batched_tokens`:
+1. running requests first, in arrival order: decodes take one token each (so new prefills
+   never starve them), unfinished prefills take the next chunk of what budget is left;
+   when a request cannot grow its KV, the newest running request is preempted (freed,
+   re-prefilled later with its generated tokens kept) until it can;
+2. then waiting requests are admitted first come, first served while the cache manager says
+   both their KV blocks and their GDN state slot(s) fit; admission stops at the first that
+   does not fit, so a large old request is never overtaken.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybrid_engine.state_cache import HybridCacheManager
+
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+    decodes: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+
+class Scheduler:
+    def __init__(self, cache: HybridCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_draft_slots: int = 0):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_draft_slots = num_draft_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:      # preempted earlier in this loop
+                continue
+            need = req.num_uncomputed_tokens
+            n = 1 if need == 1 else min(need, budget)
+            if n == 0 or budget < n:
+                continue
+            if not self._make_room(req, req.num_computed_tokens + n, batch):
+                continue
+            self.cache.grow(req.request_id, req.num_computed_tokens + n)
+            if need == 1:
+                batch.decodes.append(req)
+            else:
+                batch.prefills.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self.cache.can_admit(n, self.num_draft_slots):
+                break
+            self.cache.allocate(req.request_id, n, self.num_draft_slots)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.prefills.append((req, n))
+            budget -= n
+        return batch
+
+    def _make_room(self, req: Request, new_num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Preempt the newest running requests until `req` can grow; False if `req` itself went."""
+        while not self.cache.can_grow(req.request_id, new_num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request from the queues and free all its memory."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.cache.has(req.request_id):
+            self.cache.free(req.request_id)
+        req.status = RequestStatus.FINISHED

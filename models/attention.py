@@ -1,0 +1,55 @@
+"""Gated full attention (Qwen3.5 / Qwen3-Next `self_attn`), over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_engine.kernels import apply_partial_rope, paged_attention, rms_norm, write_kv_cache
+
+from .batch import ForwardBatch
+from .config import ModelConfig
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        h, hd = cfg.hidden_size, cfg.head_dim
+        # q_proj is doubled: per head, hd query rows then hd output-gate rows (interleaved per head).
+        self.q_proj = nn.Linear(h, self.num_heads * hd * 2, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = _NormWeight(hd)
+        self.k_norm = _NormWeight(hd)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        # q/k norms are zero-centred RMSNorms over head_dim, applied before RoPE.
+        q = rms_norm(q, self.q_norm.weight, self.eps)
+        k = rms_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.eps)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q = apply_partial_rope(q, cos, sin)
+        k = apply_partial_rope(k, cos, sin)
+        write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        o = paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale)
+        # The gate is per head and per dim, in the same (head, dim) order as the output.
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
+
+
+class _NormWeight(nn.Module):
+    """Holds a norm weight under `<name>.weight`, as checkpoints name it."""
+
+    def __init__(self, dim: int, init: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((dim,), init))

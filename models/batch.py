@@ -1,0 +1,49 @@
+"""The per-step metadata every layer reads, defined on the models side and filled by the engine.
+
+A step packs the tokens of N sequences into one `[T]` stream. The first `num_prefills`
+sequences are prefill segments of any length (a whole prompt or one chunk of it); the
+remaining ones are decode segments of exactly `decode_len` tokens each (1 for plain decode,
+k+1 when verifying k drafts). GDN layers send the two groups to different kernels: chunked
+varlen for prefill, the recurrent pool kernel for decode (never padded into chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor          # [T] int64, absolute token positions (RoPE)
+    cu_seqlens: torch.Tensor         # [N+1] int64, segment boundaries in the packed stream
+    seq_lens: torch.Tensor           # [N] int64, KV length of each sequence after this step
+    slot_mapping: torch.Tensor       # [T] int64, flat KV slot (block * block_size + offset) per token
+    block_tables: torch.Tensor       # [N, max_blocks] int64
+    state_slots: torch.Tensor        # [N] int64, committed GDN state slot read by each sequence
+    has_initial_state: torch.Tensor  # [N] bool, False for a sequence's first prefill chunk
+    state_write_slots: torch.Tensor  # [N - num_prefills, decode_len] int64, where the GDN state after
+                                     # each decode token is written (the committed slot for plain decode)
+    logits_indices: torch.Tensor     # [M] int64, token rows whose logits are needed
+    num_prefills: int
+    num_prefill_tokens: int
+    decode_len: int = 1
+
+    @property
+    def num_decodes(self) -> int:
+        return self.cu_seqlens.numel() - 1 - self.num_prefills
+
+
+class LayerCaches(Protocol):
+    """What a forward needs from the cache owner (state_cache.HybridCacheManager has these).
+
+    kv_caches[i]: the i-th full-attention layer's `[num_blocks, 2, block_size, nkv, hd]`
+    (the MTP layer's cache comes after the main model's); conv_states[j] /
+    recurrent_states[j]: the j-th GDN layer's slot pools.
+    """
+
+    kv_caches: list[torch.Tensor]
+    conv_states: list[torch.Tensor]
+    recurrent_states: list[torch.Tensor]

@@ -1,0 +1,97 @@
+"""Gated DeltaNet linear attention (`linear_attn`), over the GDN state-slab pools.
+
+Prefill segments go through the chunked varlen kernels (initial state and conv window
+gathered from the pool by slot, final ones scattered back); decode segments go through
+the recurrent kernels, which read the committed slot and write the state after every
+token to the step's write slots (the committed slot itself for plain decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_engine.kernels import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    chunk_gated_delta_rule,
+    gated_rms_norm,
+    recurrent_gated_delta_rule,
+)
+
+from .batch import ForwardBatch
+from .config import ModelConfig
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.key_dim, cfg.value_dim, cfg.conv_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        # Qwen3.5 layout; the loader converts Qwen3-Next's grouped in_proj_qkvz / in_proj_ba to it.
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)   # rows [q | k | v], head-major
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = _PlainNormWeight(self.dv)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
+                state_pool: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)                                   # [T, conv_dim], pre-conv
+        z = self.in_proj_z(x).view(t, self.hv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))                       # activation dtype, as HF
+        # Log-space decay in fp32: A_log spans log(0.01..16), fp16 would overflow exp.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+
+        conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
+        p, np_ = batch.num_prefill_tokens, batch.num_prefills
+        nd, dl = batch.num_decodes, batch.decode_len
+        outs = []
+        if np_ > 0:
+            slots = batch.state_slots[:np_]
+            fresh = ~batch.has_initial_state[:np_]
+            cu = batch.cu_seqlens[:np_ + 1]
+            window = conv_pool[slots]
+            window[fresh] = 0
+            u, final_window = causal_conv1d_varlen(mixed[:p], conv_w, cu, window)
+            conv_pool[slots] = final_window
+            q, k, v = self._split_heads(u)
+            init = state_pool[slots]
+            init[fresh] = 0
+            o, final_state = chunk_gated_delta_rule(q, k, v, g[:p], beta[:p], cu, init)
+            state_pool[slots] = final_state
+            outs.append(o)
+        if nd > 0:
+            read = batch.state_slots[np_:]
+            write = batch.state_write_slots
+            u = causal_conv1d_update(mixed[p:].view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write)
+            q, k, v = self._split_heads(u.reshape(nd * dl, self.conv_dim))
+            o = recurrent_gated_delta_rule(
+                q.view(nd, dl, self.hk, self.dk), k.view(nd, dl, self.hk, self.dk),
+                v.view(nd, dl, self.hv, self.dv), g[p:].view(nd, dl, self.hv),
+                beta[p:].view(nd, dl, self.hv), state_pool, read, write)
+            outs.append(o.reshape(nd * dl, self.hv, self.dv))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        y = gated_rms_norm(o, z, self.norm.weight, self.eps)          # plain weight, not 1+w
+        return self.out_proj(y.reshape(t, self.value_dim))
+
+    def _split_heads(self, u: torch.Tensor):
+        t = u.shape[0]
+        q, k, v = torch.split(u, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv))
+
+
+class _PlainNormWeight(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))

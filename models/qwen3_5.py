@@ -1,0 +1,58 @@
+"""The Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrid causal LM (one class for all three).
+
+The model owns no cache memory and knows nothing about requests: a step's ForwardBatch and
+the cache pools are passed in, hidden states come out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_engine.kernels import rms_norm, rope_cos_sin
+
+from .attention import _NormWeight
+from .batch import ForwardBatch, LayerCaches
+from .config import FULL, ModelConfig
+from .decoder import DecoderLayer
+from .mlp import make_mlp
+from .mtp import MTPHead
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers, counts = [], {"full_attention": 0, "linear_attention": 0}
+        for i, kind in enumerate(cfg.layer_types):
+            layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i)))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = _NormWeight(cfg.hidden_size)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The MTP layer's KV pool comes right after the main model's attention pools.
+        self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL]) if with_mtp else None
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.cfg.full_attention_layers) + (1 if self.mtp is not None else 0)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, dtype)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H] (what lm_head and the MTP head read)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rope(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, caches, rope)
+        return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight())
