@@ -43,13 +43,16 @@ class Sampler:
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         _check_batch(logits, rows)
         raw = logits.float()
-        if all(row.params.is_greedy for row in rows):
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not sampled:
             tokens = mask_banned_tokens(apply_penalties(raw, rows), rows).argmax(dim=-1)
         else:
             probs = processed_probs(raw, rows)
-            tokens = probs.argmax(dim=-1)  # greedy rows: the index of their one-hot
-            sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-            tokens[sampled] = self.sample_from_probs(probs[sampled], [rows[i].generator for i in sampled])
+            if len(sampled) == len(rows):
+                tokens = self.sample_from_probs(probs, [row.generator for row in rows])
+            else:
+                tokens = probs.argmax(dim=-1)  # greedy rows: the index of their one-hot
+                tokens[sampled] = self.sample_from_probs(probs[sampled], [rows[i].generator for i in sampled])
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=_raw_logprobs(raw, tokens, rows))
 
     def sample_from_probs(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
@@ -59,16 +62,17 @@ class Sampler:
         and each row's noise comes from its own generator, so a seeded request gets the
         same tokens whatever else is in the batch and wherever its row sits.
         """
-        noise = torch.empty_like(probs)
+        # -log(U) with U uniform in [0, 1) is Exponential(1) and never 0 (a 0 would turn a
+        # banned token's 0/0 into NaN, which argmax picks); uniform_ is several times faster
+        # than exponential_ on CPU.
+        uniform = torch.empty_like(probs)
         default = self._default_generator(probs.device)
         if all(g is None for g in generators):
-            noise.exponential_(generator=default)
+            uniform.uniform_(generator=default)
         else:
-            for row_noise, g in zip(noise, generators):
-                row_noise.exponential_(generator=g if g is not None else default)
-        # A zero draw would turn a banned token's 0/0 into NaN, which argmax would pick.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+            for row_uniform, g in zip(uniform, generators):
+                row_uniform.uniform_(generator=g if g is not None else default)
+        return (probs / uniform.log_().neg_()).argmax(dim=-1)
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._default_generators:
@@ -86,23 +90,20 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
 
     Returns a new tensor, or `logits` itself when no row asks for a penalty.
     """
-    params = [row.params for row in rows]
-    repetition = [p.repetition_penalty for p in params]
-    frequency = [p.frequency_penalty for p in params]
-    presence = [p.presence_penalty for p in params]
-    if all(r == 1.0 for r in repetition) and not any(frequency) and not any(presence):
-        return logits
-    vocab_size = logits.shape[-1]
-    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, logits)
+    repetition = [row.params.repetition_penalty for row in rows]
+    frequency = [row.params.frequency_penalty for row in rows]
+    presence = [row.params.presence_penalty for row in rows]
     if any(r != 1.0 for r in repetition):
-        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab_size, logits)
-        seen = (prompt_counts > 0) | (output_counts > 0)
-        penalty = logits.new_tensor(repetition).unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalized, logits)
-    frequency_t = logits.new_tensor(frequency).unsqueeze(1)
-    presence_t = logits.new_tensor(presence).unsqueeze(1)
-    return logits - frequency_t * output_counts - presence_t * (output_counts > 0)
+        seen = _token_counts([row.prompt_token_ids + row.output_token_ids for row in rows], logits) > 0
+        penalty = torch.where(seen, logits.new_tensor(repetition).unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if any(frequency) or any(presence):
+        counts = _token_counts([row.output_token_ids for row in rows], logits)
+        if any(frequency):
+            logits = logits - logits.new_tensor(frequency).unsqueeze(1) * counts
+        if any(presence):
+            logits = logits - logits.new_tensor(presence).unsqueeze(1) * (counts > 0)
+    return logits
 
 
 def mask_banned_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
@@ -120,30 +121,28 @@ def processed_probs(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     temperature, top-k, top-p and min-p; one-hot at the argmax for greedy rows."""
     _check_batch(logits, rows)
     logits = mask_banned_tokens(apply_penalties(logits.float(), rows), rows)
-    probs = torch.empty_like(logits)
-    greedy = torch.tensor([row.params.is_greedy for row in rows], device=logits.device)
-    if greedy.any():
-        greedy_logits = logits[greedy]
-        one_hot = torch.zeros_like(greedy_logits)
-        probs[greedy] = one_hot.scatter_(1, greedy_logits.argmax(dim=-1, keepdim=True), 1.0)
-    if not greedy.all():
-        params = [row.params for row, g in zip(rows, greedy.tolist()) if not g]
-        probs[~greedy] = _truncated_softmax(logits[~greedy], params)
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if len(sampled) == len(rows):
+        return _truncated_softmax(logits, [row.params for row in rows])
+    probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if sampled:
+        probs[sampled] = _truncated_softmax(logits[sampled], [rows[i].params for i in sampled])
     return probs
 
 
 def _truncated_softmax(logits: Tensor, params: list[SamplingParams]) -> Tensor:
-    temperature = logits.new_tensor([p.temperature for p in params]).unsqueeze(1)
-    logits = logits / temperature
+    """softmax(logits / temperature) restricted by top-k, then top-p, then min-p."""
+    logits = logits / logits.new_tensor([p.temperature for p in params]).unsqueeze(1)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _apply_top_k_top_p(logits, top_k, top_p)
     min_p = [p.min_p for p in params]
     if any(min_p):
-        probs = logits.softmax(dim=-1)
-        threshold = logits.new_tensor(min_p).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); the ratio ignores the
+        # renormalisation after top-k/top-p, and log(0) = -inf drops nothing.
+        threshold = logits.amax(dim=-1, keepdim=True) + logits.new_tensor(min_p).log().unsqueeze(1)
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
     return logits.softmax(dim=-1)
 
 
@@ -151,18 +150,20 @@ def _apply_top_k_top_p(logits: Tensor, top_k: list[int], top_p: list[float]) -> 
     """Keep each row's k best tokens, then the smallest prefix of those (by probability,
     renormalised over the k) whose mass reaches top_p; the best token always stays."""
     vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     k = torch.tensor([vocab_size if k == -1 else min(k, vocab_size) for k in top_k], device=logits.device)
-    rank = torch.arange(vocab_size, device=logits.device)
+    # Nothing past the largest k survives, so a partial topk replaces the full sort (costly
+    # over a 150k vocabulary) when every row sets top_k, as Qwen's recommended settings do.
+    best_logits, best_ids = logits.topk(int(k.max()), dim=-1)
+    rank = torch.arange(best_logits.shape[-1], device=logits.device)
     drop = rank >= k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    best_logits = best_logits.masked_fill(drop, float("-inf"))
+    best_probs = best_logits.softmax(dim=-1)
+    mass_before = best_probs.cumsum(dim=-1) - best_probs
     p = logits.new_tensor(top_p).unsqueeze(1)
     # top_p == 1 keeps everything: the rounding in the cumsum must not drop the tail.
     drop |= (mass_before >= p) & (p < 1.0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    best_logits = best_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, best_ids, best_logits)
 
 
 def _raw_logprobs(raw: Tensor, tokens: Tensor, rows: list[SamplingRow]) -> list[dict[int, float] | None]:
@@ -186,8 +187,9 @@ def _raw_logprobs(raw: Tensor, tokens: Tensor, rows: list[SamplingRow]) -> list[
     return result
 
 
-def _token_counts(token_lists: list[list[int]], vocab_size: int, like: Tensor) -> Tensor:
+def _token_counts(token_lists: list[list[int]], like: Tensor) -> Tensor:
     """[N, V] occurrence counts, in `like`'s dtype and device."""
+    vocab_size = like.shape[-1]
     width = max((len(ids) for ids in token_lists), default=0)
     counts = like.new_zeros(len(token_lists), vocab_size + 1)  # column V collects the padding
     if width:

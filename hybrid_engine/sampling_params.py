@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NoReturn
 
 # Below this temperature the row is treated as greedy, as in vLLM (_SAMPLING_EPS): dividing
 # logits by a tiny positive temperature overflows float32 and gains nothing over argmax.
@@ -93,5 +94,5 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _fail(name: str, value: object, expected: str) -> None:
+def _fail(name: str, value: object, expected: str) -> NoReturn:
     raise ValueError(f"{name} must be {expected}, got {value!r}")

@@ -150,8 +150,14 @@ def parse_config(raw: dict) -> ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"unsupported rope_type {rope_type!r} (only 'default' is implemented)")
-        tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        eos = _as_list(text.get("eos_token_id", raw.get("eos_token_id")))
+        # A VLM wrapper's own (top-level) key decides tying, as in transformers: save_pretrained of a
+        # tied Qwen3_5ForConditionalGeneration writes top-level true but text_config false.
+        if is_vlm and raw.get("tie_word_embeddings") is not None:
+            tie = raw["tie_word_embeddings"]
+        else:
+            tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        eos = text.get("eos_token_id")
+        eos = _as_list(eos if eos is not None else raw.get("eos_token_id"))
         cfg = ModelConfig(
             family=family,
             vocab_size=int(get("vocab_size")),

@@ -353,21 +353,21 @@ def _check_experts(prefix: str, projs: dict[str, dict[int, _Source]], name: str,
         raise CheckpointError(f"tensor {name} is expected with shape {_fmt(want)}, but experts are 3-D [E, out, in]")
     n_exp = want[0]
     names = ("gate_proj", "up_proj") if kind == "experts_gate_up" else ("down_proj",)
-    for proj in names:
-        srcs = projs.get(proj, {})
-        miss = [f"{prefix}.{e}.{proj}.weight" for e in range(n_exp) if e not in srcs]
-        if miss:
-            raise CheckpointError(f"checkpoint is missing {len(miss)} tensor(s): {_listing(miss)}")
-        extra = [srcs[e].key for e in srcs if e >= n_exp]
-        if extra:
-            raise CheckpointError(
-                f"checkpoint has {len(extra)} unexpected tensor(s): {_listing(extra)} (the model has {n_exp} experts)"
-            )
-        rows = want[1] // 2 if kind == "experts_gate_up" else want[1]
-        for e in range(n_exp):
-            _check_shape(srcs[e].key, srcs[e].shape, (rows, want[2]), srcs[e].file)
+    miss = [f"{prefix}.{e}.{proj}.weight" for proj in names for e in range(n_exp) if e not in projs.get(proj, {})]
+    if miss:
+        raise CheckpointError(f"checkpoint is missing {len(miss)} tensor(s): {_listing(miss)}")
+    extra = [src.key for proj in names for e, src in projs.get(proj, {}).items() if e >= n_exp]
+    if extra:
+        raise CheckpointError(
+            f"checkpoint has {len(extra)} unexpected tensor(s): {_listing(extra)} (the model has {n_exp} experts)"
+        )
     if kind == "experts_gate_up" and want[1] % 2:
         raise CheckpointError(f"tensor {name} is expected with an odd row count {want[1]}")
+    rows = want[1] // 2 if kind == "experts_gate_up" else want[1]
+    for proj in names:
+        for e in range(n_exp):
+            src = projs[proj][e]
+            _check_shape(src.key, src.shape, (rows, want[2]), src.file)
 
 
 def _gdn_dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
@@ -375,27 +375,36 @@ def _gdn_dims(config: ModelConfig) -> tuple[int, int, int, int, int]:
     return hk, hv, config.linear_key_head_dim, config.linear_value_head_dim, hv // hk
 
 
+def _hidden_from(wanted_shapes: Iterable[tuple | None], src: _Source) -> int:
+    for w in wanted_shapes:
+        if w is not None and len(w) == 2:
+            return w[1]
+    return src.shape[-1] if src.shape else 0
+
+
 def _check_qkvz(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], prefix: str):
+    """Check the grouped source against the shapes the caller wants for in_proj_qkv / in_proj_z."""
     hk, hv, dk, dv, r = _gdn_dims(config)
     qkv_w = wanted.get(f"{prefix}.in_proj_qkv.weight")
     z_w = wanted.get(f"{prefix}.in_proj_z.weight")
-    hidden = src.shape[-1]
-    if qkv_w is not None:
-        _check_shape(f"{prefix}.in_proj_qkv.weight (from {src.key})", (2 * hk * dk + hv * dv, hidden), qkv_w)
-    if z_w is not None:
-        _check_shape(f"{prefix}.in_proj_z.weight (from {src.key})", (hv * dv, hidden), z_w)
+    hidden = _hidden_from((qkv_w, z_w), src)
     _check_shape(src.key, src.shape, (2 * hk * dk + 2 * hv * dv, hidden), src.file)
+    if qkv_w is not None:
+        _check_shape(f"{prefix}.in_proj_qkv.weight (from {src.key})", qkv_w, (2 * hk * dk + hv * dv, hidden))
+    if z_w is not None:
+        _check_shape(f"{prefix}.in_proj_z.weight (from {src.key})", z_w, (hv * dv, hidden))
 
 
 def _check_ba(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], prefix: str):
+    """Check the grouped source against the shapes the caller wants for in_proj_b / in_proj_a."""
     hk, hv, dk, dv, r = _gdn_dims(config)
     b_w = wanted.get(f"{prefix}.in_proj_b.weight")
     a_w = wanted.get(f"{prefix}.in_proj_a.weight")
-    hidden = src.shape[-1]
+    hidden = _hidden_from((b_w, a_w), src)
+    _check_shape(src.key, src.shape, (2 * hv, hidden), src.file)
     for what, w in (("in_proj_b", b_w), ("in_proj_a", a_w)):
         if w is not None:
-            _check_shape(f"{prefix}.{what}.weight (from {src.key})", (hv, hidden), w)
-    _check_shape(src.key, src.shape, (2 * hv, hidden), src.file)
+            _check_shape(f"{prefix}.{what}.weight (from {src.key})", w, (hv, hidden))
 
 
 def split_qkvz(w: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
