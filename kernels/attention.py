@@ -1,0 +1,79 @@
+"""Paged KV cache writes and causal attention over it (GQA).
+
+Per layer the cache is [num_blocks, 2, block_size, nkv, hd] (index 0 = K, 1 = V); a flat slot
+is block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store new keys and values in place.
+
+    k, v: [T, nkv, hd]; kv_cache: [num_blocks, 2, block_size, nkv, hd]; slot_mapping: [T] int64
+    flat slots (entries < 0 are padding and skipped).
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    block_size = kv_cache.shape[2]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[block, 0, offset] = k.to(kv_cache.dtype)
+    kv_cache[block, 1, offset] = v.to(kv_cache.dtype)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of N sequences' new tokens over their paged caches.
+
+    q: [T, nh, hd] packed new tokens (cu_seqlens_q: [N+1] int64); kv_cache: [num_blocks, 2,
+    block_size, nkv, hd], already holding this step's keys; block_tables: [N, max_blocks]
+    (unused entries may hold anything); seq_lens: [N] int64 cached + new tokens.
+    Query i of sequence n sits at position seq_lens[n] - qlen_n + i and sees keys at positions
+    <= its own. q head h uses kv head h // (nh / nkv). Softmax in fp32.
+    Returns o: [T, nh, hd] in q.dtype.
+
+    Sequences with the same qlen are attended in one batched call (one gather, a length mask,
+    one sdpa); a pure decode or verify step is therefore a single call with no Python loop.
+    """
+    qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    N, (T, nh, hd) = qlens.numel(), q.shape
+    if N == 0 or T == 0:
+        return q.new_empty(q.shape)
+    if bool((qlens == qlens[0]).all()):
+        Q = T // N
+        return _attend_equal_qlen(q.reshape(N, Q, nh, hd), kv_cache, block_tables, seq_lens, scale
+                                  ).view(T, nh, hd)
+    out = q.new_empty(q.shape)
+    for Q in torch.unique(qlens).tolist():
+        if Q == 0:
+            continue
+        rows = torch.nonzero(qlens == Q).flatten()
+        tokens = cu_seqlens_q[rows][:, None] + torch.arange(Q, device=q.device)   # [n, Q]
+        out[tokens] = _attend_equal_qlen(q[tokens], kv_cache, block_tables[rows], seq_lens[rows], scale)
+    return out
+
+
+def _attend_equal_qlen(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [N, Q, nh, hd], every sequence with Q new tokens -> o: [N, Q, nh, hd]."""
+    N, Q, nh, hd = q.shape
+    nkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    max_len = int(seq_lens.max())
+    key_pos = torch.arange(max_len, device=q.device)
+    # Positions past a sequence's length re-read its last key: every gathered slot then belongs
+    # to the sequence (block-table tails may hold garbage ids, unwritten slots may hold NaN,
+    # and NaN * 0 would still poison the output), and the mask below hides them.
+    pos = torch.minimum(key_pos[None, :], seq_lens[:, None] - 1)        # [N, L]
+    blocks = block_tables.gather(1, pos // block_size).long()
+    kv = kv_cache[blocks, :, pos % block_size].float()                # [N, L, 2, nkv, hd]
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [N, nkv, L, hd]
+    q_pos = seq_lens[:, None] - Q + torch.arange(Q, device=q.device)  # [N, Q]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]                # [N, Q, L]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask[:, None],
+                                       scale=scale, enable_gqa=nh != nkv)
+    return o.transpose(1, 2).to(q.dtype)

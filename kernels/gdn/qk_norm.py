@@ -1,0 +1,27 @@
+"""Query/key preparation shared by the chunked and recurrent GDN kernels."""
+
+from __future__ import annotations
+
+import torch
+
+
+def normalize_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float | None,
+                 use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 l2norm (optional) and scaling of q, then expansion of q and k to the value heads.
+
+    q, k: [..., Hk, dk] in any float dtype. Returns q, k: [..., Hv, dk] float32, where value
+    head h uses key head h // (Hv / Hk) (repeat_interleave: consecutive value heads share a key
+    head; tiling would be h % Hk and is wrong for Qwen3.5).
+    """
+    dk = k.shape[-1]
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        # eps inside the rsqrt of the sum, as fla and transformers do
+        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
+    q = q * (dk ** -0.5 if scale is None else scale)
+    groups = num_v_heads // k.shape[-2]
+    if groups > 1:
+        q = q.repeat_interleave(groups, dim=-2)
+        k = k.repeat_interleave(groups, dim=-2)
+    return q, k
