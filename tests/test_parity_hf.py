@@ -51,3 +51,39 @@ def test_greedy_and_logprobs_match_transformers(tmp_path, case):
         assert (ours - theirs).abs().max().item() < 1e-4
     assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
     assert llm.engine.cache.num_free_slots == llm.engine.cache.num_slots
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_vlm_wrapper_checkpoint_with_mtp_loads_and_matches(tmp_path):
+    hf = make_hf_model("qwen3_5", tie_word_embeddings=True)
+    save_checkpoint(hf, tmp_path, vlm_wrapper=True, add_mtp=True, shards=2)
+    llm = LLM(model=str(tmp_path), dtype="float32")
+    assert llm.engine.model.mtp is not None
+    prompt = prompts_for(hf.config.vocab_size, seed=3)[3]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0]
+    ref = hf_logits(hf, prompt + out.token_ids[:-1])
+    ref_logp = torch.log_softmax(ref[len(prompt) - 1:], dim=-1)
+    assert out.token_ids == ref_logp.argmax(-1).tolist()
+    ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+    assert (ours - ref_logp[torch.arange(16), torch.tensor(out.token_ids)]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_block_sizes_with_prompts_straddling_blocks(tmp_path, block_size):
+    hf = make_hf_model("qwen3_5", full_attention_interval=2)
+    save_checkpoint(hf, tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=block_size)
+    g = torch.Generator().manual_seed(7)
+    # Lengths around 16- and 32-token boundaries, so prompt and decode both cross blocks.
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (15, 16, 17, 31, 33)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_logits(hf, prompt + out.token_ids[:-1])
+        assert out.token_ids == ref[len(prompt) - 1:].argmax(-1).tolist()
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
