@@ -20,6 +20,9 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import StepInputBuilder
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
+from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
+from hybrid_engine.spec_decode.stats import SpecStats
+from hybrid_engine.spec_decode.verifier import accept_by_sampling, accept_greedy
 
 # Default KV budget when cache_memory_bytes is not given: this many tokens per sequence slot.
 DEFAULT_KV_TOKENS_PER_SEQ = 4096
@@ -37,6 +40,23 @@ def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int) 
     )
 
 
+def parse_speculative_config(spec: dict | None) -> int:
+    """-> the number of speculative tokens k (0 = off); ValueError naming what is wrong."""
+    if spec is None:
+        return 0
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = set(spec) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys: {sorted(unknown)}")
+    if spec.get("method", "mtp") != "mtp":
+        raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported (only 'mtp')")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+        raise ValueError(f"num_speculative_tokens must be an int in 1..8, got {k!r}")
+    return k
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -46,24 +66,33 @@ class LLMEngine:
             config.model = str(default_model_path())
         self.model, self.model_config = load_model(config.model, config.dtype, config.device)
         self.tokenizer = load_tokenizer(config.model)
-        self.num_draft_slots = 0
+        self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
+        if k and self.model.mtp is None:
+            raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
+        if config.max_num_batched_tokens < config.max_num_seqs * (1 + k):
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs * (1 + num_speculative_tokens) = {config.max_num_seqs * (1 + k)}")
         spec = cache_spec_for(self.model_config, self.model, config.block_size)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         budget = config.cache_memory_bytes
         if budget is None:
             per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)
-            budget = config.max_num_seqs * ((1 + self.num_draft_slots) * spec.bytes_per_slot
+            budget = config.max_num_seqs * ((1 + k) * spec.bytes_per_slot
                                             + per_seq_blocks * spec.bytes_per_block)
-        self.cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs,
-                                                    self.num_draft_slots, device=config.device)
-        # A request can never hold more tokens than the whole KV pool.
-        self.max_model_len = min(max_len, self.cache.num_blocks * config.block_size)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.num_draft_slots)
+        # Draft slots are part of the budget: each request holds 1 + k state slots.
+        self.cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs, k, device=config.device)
+        # A request can never hold more tokens than the whole KV pool, including the 2k
+        # positions a verify step and the drafting after it may touch past its length.
+        self.max_model_len = min(max_len, self.cache.num_blocks * config.block_size - 2 * k)
+        if self.max_model_len < 2:
+            raise ValueError("cache_memory_bytes leaves room for fewer than 2 tokens per request")
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, k)
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
-                                        math.ceil(self.max_model_len / config.block_size) + 1,
-                                        config.block_size, config.device)
+                                        math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1,
+                                        config.block_size, k, config.device)
         self.runner = ModelRunner(self.model, self.cache)
+        self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size) if k else None
+        self.spec_stats = SpecStats(k) if k else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -118,6 +147,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params, self.eos_token_ids)
+        if self.num_speculative_tokens:
+            req.spec_stats = SpecStats(self.num_speculative_tokens)
         self.requests[request_id] = req
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -154,27 +185,91 @@ class LLMEngine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         inputs = self.builder.build(sched, self.cache)
-        logits = self.runner.forward(inputs)
-        for req, n in sched.prefills:
-            req.num_computed_tokens += n
-        for req in sched.decodes:
-            req.num_computed_tokens += 1
-        rows = [self._sampling_row(r) for r in inputs.sampled_requests]
-        sampled = self.sampler(logits, rows)
-        outputs = []
-        for req, tok, lp in zip(inputs.sampled_requests, sampled.token_ids, sampled.logprobs):
-            outputs.append(self._append_token(req, tok, lp))
+        hidden, logits = self.runner.forward(inputs)
+        emitted = self._sample(inputs, logits)
+        outputs, catchups = [], []
+        for seg in inputs.segments:
+            req = seg.request
+            if not seg.is_decode:
+                req.num_computed_tokens += seg.num_tokens
+            tokens, logprobs = emitted.get(id(seg), ([], []))
+            if seg.is_decode:
+                self._commit_verified(seg, len(tokens) - 1)
+            new = []
+            for tok, lp in zip(tokens, logprobs):
+                new.append(tok)
+                if self._append_token(req, tok, lp):
+                    break
+            if tokens:
+                outputs.append(self._output(req, new, self._take_delta(req)))
+            if self.drafter is not None and not req.is_finished:
+                catchups.append(self._catchup(seg, hidden, req))
+        if self.drafter is not None:
+            for rid, drafts in self.drafter.run(catchups).items():
+                self.requests[rid].draft_token_ids = drafts
         return outputs
 
-    def _sampling_row(self, req: Request) -> SamplingRow:
+    def _sample(self, inputs, logits: torch.Tensor) -> dict[int, tuple[list[int], list]]:
+        """Tokens emitted per sampling segment: one for a prefill or plain decode, 1..k+1 for a verify."""
+        result = {}
+        plain = [(seg, row) for seg, row, n in inputs.sample_spans if not (seg.is_decode and n > 1)]
+        if plain:
+            rows = torch.tensor([row for _, row in plain])
+            out = self.sampler(logits[rows], [self._sampling_row(seg.request) for seg, _ in plain])
+            for (seg, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
+                result[id(seg)] = ([tok], [lp])
+        for seg, row, n in inputs.sample_spans:
+            if not (seg.is_decode and n > 1):
+                continue
+            req, block = seg.request, logits[row:row + n]
+            drafts = req.draft_token_ids
+            if self._is_plain_greedy(req):
+                tokens = accept_greedy(block.argmax(dim=-1).tolist(), drafts)
+                result[id(seg)] = (tokens, [None] * len(tokens))
+            else:
+                result[id(seg)] = accept_by_sampling(
+                    self.sampler, block, drafts, lambda extra, r=req: self._sampling_row(r, extra))
+            req.spec_stats.record(len(drafts), len(result[id(seg)][0]) - 1)
+            self.spec_stats.record(len(drafts), len(result[id(seg)][0]) - 1)
+        return result
+
+    @staticmethod
+    def _is_plain_greedy(req: Request) -> bool:
+        p = req.params
+        return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
+                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and len(req.output_token_ids) >= p.min_tokens)
+
+    def _commit_verified(self, seg, accepted: int) -> None:
+        """Rewind after a verify: KV length C + accepted + 1; the committed GDN state becomes
+        the one saved after the last accepted position, chosen by slot (no copy, no recompute)."""
+        req = seg.request
+        req.num_computed_tokens = seg.start + accepted + 1
+        if accepted > 0:
+            self.cache.promote_draft_slot(req.request_id, accepted - 1)
+        req.draft_token_ids = []
+
+    def _catchup(self, seg, hidden: torch.Tensor, req: Request) -> CatchUp:
+        """The MTP inputs for the positions this step committed: h_i with token i+1."""
+        n = req.num_computed_tokens - seg.start
+        # Keep KV blocks for the committed tokens plus the k-1 positions drafting writes.
+        if seg.samples:
+            self.cache.truncate(req.request_id, req.num_computed_tokens + self.scheduler.lookahead)
+        return CatchUp(req.request_id, seg.start, req.all_token_ids[seg.start + 1:seg.start + n + 1],
+                       hidden[seg.first_row:seg.first_row + n], draft=seg.samples)
+
+    def _sampling_row(self, req: Request, extra: list[int] = ()) -> SamplingRow:
+        """`extra`: tokens accepted earlier in the same verify, not yet appended."""
+        output = req.output_token_ids + list(extra) if extra else req.output_token_ids
         banned = []
-        if len(req.output_token_ids) < req.params.min_tokens:
+        if len(output) < req.params.min_tokens:
             banned = list(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
                 banned += req.eos_token_ids
-        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator, banned)
+        return SamplingRow(req.params, req.prompt_token_ids, output, req.generator, banned)
 
-    def _append_token(self, req: Request, tok: int, logprobs) -> RequestOutput:
+    def _append_token(self, req: Request, tok: int, logprobs) -> bool:
+        """Appends one token and applies every stop rule; True when the request finished."""
         now = time.monotonic()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -182,27 +277,34 @@ class LLMEngine:
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         p = req.params
-        prev_len = len(req.text)
-        delta = ""
+        delta_len = 0
         detok = self._detok.get(req.request_id)
         if detok is not None:
-            delta = detok.update(req.output_token_ids)
+            delta_len = len(detok.update(req.output_token_ids))
             req.text = detok.text
         if not p.ignore_eos and tok in req.eos_token_ids:
             req.finish_reason = "stop"
         elif p.stop_token_ids and tok in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", tok
-        elif p.stop and detok is not None and self._cut_at_stop_string(req, len(delta)):
-            delta = req.text[prev_len:]
+        elif p.stop and detok is not None:
+            self._cut_at_stop_string(req, delta_len)
         if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
                                           or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
-        if req.finish_reason is not None:
-            req.metrics.finished_time = now
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
-            self._detok.pop(req.request_id, None)
-        return self._output(req, [tok], delta)
+        if req.finish_reason is None:
+            return False
+        req.metrics.finished_time = now
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        return True
+
+    @staticmethod
+    def _take_delta(req: Request) -> str:
+        """Text not yet streamed (a stop string cut never un-streams text already sent)."""
+        delta = req.text[req.streamed_len:]
+        req.streamed_len = max(req.streamed_len, len(req.text))
+        return delta
 
     def _cut_at_stop_string(self, req: Request, delta_len: int) -> bool:
         longest = max(len(s) for s in req.params.stop)
@@ -224,6 +326,7 @@ class LLMEngine:
             finished=req.finish_reason is not None, stop_reason=req.stop_reason,
             metrics={"time_to_first_token": m.time_to_first_token,
                      "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
-                     "num_preemptions": req.num_preemptions},
+                     "num_preemptions": req.num_preemptions,
+                     "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
             new_token_ids=new_ids, new_text=new_text,
         )

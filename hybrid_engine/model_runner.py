@@ -16,7 +16,8 @@ class ModelRunner:
         self.cache = cache
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """-> float32 logits [num sampled rows, vocab]; lm_head runs only on those rows."""
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (final-normed hidden [T, H] for the MTP drafter, float32 logits [rows, vocab]);
+        lm_head runs only on the rows that sample."""
         hidden = self.model(inputs.input_ids, inputs.batch, self.cache)
-        return self.model.compute_logits(hidden[inputs.batch.logits_indices]).float()
+        return hidden, self.model.compute_logits(hidden[inputs.batch.logits_indices]).float()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling_params import SamplingParams
+from hybrid_engine.spec_decode.stats import SpecStats
 
 
 class RequestStatus(enum.Enum):
@@ -51,8 +52,12 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    streamed_len: int = 0      # characters of text already handed out as streaming deltas
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # Speculative decoding: drafts to verify next step, and per-request counters.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_stats: "SpecStats | None" = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self):

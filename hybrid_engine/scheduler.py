@@ -37,11 +37,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, cache: HybridCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_draft_slots: int = 0):
+                 num_speculative_tokens: int = 0):
         self.cache = cache
+        # With k drafts a request holds k draft state slots, and a step that samples reserves
+        # KV for k-1 positions past its tokens, where the MTP drafts after the step.
+        self.num_draft_slots = num_speculative_tokens
+        self.lookahead = max(num_speculative_tokens - 1, 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_draft_slots = num_draft_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -59,13 +62,15 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:      # preempted earlier in this loop
                 continue
             need = req.num_uncomputed_tokens
-            n = 1 if need == 1 else min(need, budget)
+            is_decode = need == 1
+            n = 1 + len(req.draft_token_ids) if is_decode else min(need, budget)
             if n == 0 or budget < n:
                 continue
-            if not self._make_room(req, req.num_computed_tokens + n, batch):
+            total = self._tokens_to_hold(req, n)
+            if not self._make_room(req, total, batch):
                 continue
-            self.cache.grow(req.request_id, req.num_computed_tokens + n)
-            if need == 1:
+            self.cache.grow(req.request_id, max(total, self.cache.get(req.request_id).num_tokens))
+            if is_decode:
                 batch.decodes.append(req)
             else:
                 batch.prefills.append((req, n))
@@ -73,15 +78,20 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_uncomputed_tokens, budget)
-            if not self.cache.can_admit(n, self.num_draft_slots):
+            total = self._tokens_to_hold(req, n)
+            if not self.cache.can_admit(total, self.num_draft_slots):
                 break
-            self.cache.allocate(req.request_id, n, self.num_draft_slots)
+            self.cache.allocate(req.request_id, total, self.num_draft_slots)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.prefills.append((req, n))
             budget -= n
         return batch
+
+    def _tokens_to_hold(self, req: Request, n: int) -> int:
+        samples = req.num_computed_tokens + n >= req.num_tokens
+        return req.num_computed_tokens + n + (self.lookahead if samples else 0)
 
     def _make_room(self, req: Request, new_num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest running requests until `req` can grow; False if `req` itself went."""
@@ -97,6 +107,7 @@ class Scheduler:
         self.running.remove(req)
         self.cache.free(req.request_id)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
