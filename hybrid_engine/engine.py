@@ -22,7 +22,7 @@ from .step_inputs import StepInputBuilder
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
-from hybrid_engine.spec_decode.verifier import accept_by_sampling, accept_greedy
+from hybrid_engine.spec_decode.verifier import accept_greedy, accept_sampled
 
 # Default KV budget when cache_memory_bytes is not given: this many tokens per sequence slot.
 DEFAULT_KV_TOKENS_PER_SEQ = 4096
@@ -210,27 +210,33 @@ class LLMEngine:
         return outputs
 
     def _sample(self, inputs, logits: torch.Tensor) -> dict[int, tuple[list[int], list]]:
-        """Tokens emitted per sampling segment: one for a prefill or plain decode, 1..k+1 for a verify."""
-        result = {}
-        plain = [(seg, row) for seg, row, n in inputs.sample_spans if not (seg.is_decode and n > 1)]
-        if plain:
-            rows = torch.tensor([row for _, row in plain])
-            out = self.sampler(logits[rows], [self._sampling_row(seg.request) for seg, _ in plain])
-            for (seg, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
-                result[id(seg)] = ([tok], [lp])
-        for seg, row, n in inputs.sample_spans:
-            if not (seg.is_decode and n > 1):
-                continue
-            req, block = seg.request, logits[row:row + n]
-            drafts = req.draft_token_ids
-            if self._is_plain_greedy(req):
-                tokens = accept_greedy(block.argmax(dim=-1).tolist(), drafts)
-                result[id(seg)] = (tokens, [None] * len(tokens))
+        """Tokens emitted per sampling segment: one for a prefill or plain decode, 1..k+1 for a
+        verify. Every row of every segment is sampled in one sampler call; greedy verifies
+        without penalties or logprobs skip the sampler (one argmax)."""
+        result, rows, spans = {}, [], []
+        for seg, first, n in inputs.sample_spans:
+            req = seg.request
+            if n > 1 and self._is_plain_greedy(req):
+                result[id(seg)] = (accept_greedy(logits[first:first + n].argmax(dim=-1).tolist(),
+                                                 req.draft_token_ids), [None] * n)
             else:
-                result[id(seg)] = accept_by_sampling(
-                    self.sampler, block, drafts, lambda extra, r=req: self._sampling_row(r, extra))
-            req.spec_stats.record(len(drafts), len(result[id(seg)][0]) - 1)
-            self.spec_stats.record(len(drafts), len(result[id(seg)][0]) - 1)
+                drafts = req.draft_token_ids
+                rows.extend(self._sampling_row(req, drafts[:j]) for j in range(n))
+                spans.append((seg, first, n))
+        if spans:
+            index = torch.cat([torch.arange(first, first + n) for _, first, n in spans])
+            out = self.sampler(logits[index], rows)
+            at = 0
+            for seg, _, n in spans:
+                toks, lps = out.token_ids[at:at + n], out.logprobs[at:at + n]
+                m = accept_sampled(toks, seg.request.draft_token_ids) if n > 1 else 1
+                result[id(seg)] = (toks[:m], lps[:m])
+                at += n
+        for seg, _, n in inputs.sample_spans:
+            if n > 1:
+                accepted = len(result[id(seg)][0]) - 1
+                seg.request.spec_stats.record(n - 1, accepted)
+                self.spec_stats.record(n - 1, accepted)
         return result
 
     @staticmethod

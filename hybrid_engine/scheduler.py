@@ -62,7 +62,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:      # preempted earlier in this loop
                 continue
             need = req.num_uncomputed_tokens
-            is_decode = need == 1
+            # With speculation a decode verifies its drafts; the last token of a chunked or
+            # re-run prefill has none yet, so it stays a (one-token) prefill segment.
+            is_decode = need == 1 and (self.num_draft_slots == 0 or bool(req.draft_token_ids))
             n = 1 + len(req.draft_token_ids) if is_decode else min(need, budget)
             if n == 0 or budget < n:
                 continue

@@ -1,13 +1,31 @@
-"""Torch (CPU reference) backend of the engine's kernels.
+"""The engine's kernels: every op has a torch reference and a triton version (kernels/triton/).
 
-Ops take tensors and flags only; nothing here knows about models or the engine.
+Ops take tensors and flags only; nothing here knows about models or the engine. Each public
+op picks its backend per call (kernels/dispatch.py: triton on CUDA tensors when available,
+torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
 """
 
-from .attention import paged_attention, write_kv_cache
-from .conv import causal_conv1d_update, causal_conv1d_varlen
-from .gdn import chunk_gated_delta_rule, naive_gated_delta_rule, recurrent_gated_delta_rule
-from .norm import gated_rms_norm, rms_norm
-from .rope import apply_partial_rope, rope_cos_sin
+from . import attention as _attention
+from . import conv as _conv
+from . import fused as _fused
+from . import gdn as _gdn
+from . import norm as _norm
+from . import rope as _rope
+from .dispatch import dispatched, get_backend, set_backend, using_backend
+from .gdn import naive_gated_delta_rule
+from .rope import rope_cos_sin
+
+apply_partial_rope = dispatched(_rope.apply_partial_rope)
+causal_conv1d_update = dispatched(_conv.causal_conv1d_update)
+causal_conv1d_varlen = dispatched(_conv.causal_conv1d_varlen)
+chunk_gated_delta_rule = dispatched(_gdn.chunk_gated_delta_rule)
+gated_rms_norm = dispatched(_norm.gated_rms_norm)
+paged_attention = dispatched(_attention.paged_attention)
+qk_norm_rope = dispatched(_fused.qk_norm_rope)
+recurrent_gated_delta_rule = dispatched(_gdn.recurrent_gated_delta_rule)
+recurrent_gated_delta_rule_fused_gating = dispatched(_fused.recurrent_gated_delta_rule_fused_gating)
+rms_norm = dispatched(_norm.rms_norm)
+write_kv_cache = dispatched(_attention.write_kv_cache)
 
 __all__ = [
     "apply_partial_rope",
@@ -15,10 +33,15 @@ __all__ = [
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule",
     "gated_rms_norm",
+    "get_backend",
     "naive_gated_delta_rule",
     "paged_attention",
+    "qk_norm_rope",
     "recurrent_gated_delta_rule",
+    "recurrent_gated_delta_rule_fused_gating",
     "rms_norm",
     "rope_cos_sin",
+    "set_backend",
+    "using_backend",
     "write_kv_cache",
 ]

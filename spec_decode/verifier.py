@@ -2,20 +2,15 @@
 
 Greedy: accept the longest prefix of drafts equal to the target's argmax, then emit the
 target's token at the first mismatch (or after the last draft). Sampling: sample every
-position with the request's full sampler chain (penalties, min_tokens bans, top-k/p,
-min-p, its seed), with the history extended by the tokens accepted so far, and accept
-while the sample equals the draft. Each emitted token is then a draw from exactly the
-distribution the non-speculative path would use at that point, so output is lossless for
-any sampler (the rule llama.cpp uses), at the cost of up to k+1 sampler calls.
+position j with the request's full sampler chain (penalties, min_tokens bans, top-k/p,
+min-p, its generator) and the history it has if drafts 1..j are accepted (output + d1..dj),
+and accept while the sample equals the draft. A position is only used when every earlier
+draft was accepted, i.e. when that history is the true one, so each emitted token is a draw
+from exactly the distribution the non-speculative path would use: lossless for any sampler
+(the rule llama.cpp uses). All positions of all requests go through one sampler call.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-
-import torch
-
-from hybrid_engine.sampler import Sampler, SamplingRow
 
 
 def accept_greedy(target_tokens: list[int], drafts: list[int]) -> list[int]:
@@ -28,16 +23,11 @@ def accept_greedy(target_tokens: list[int], drafts: list[int]) -> list[int]:
     return emitted
 
 
-def accept_by_sampling(sampler: Sampler, logits: torch.Tensor, drafts: list[int],
-                       row_for: Callable[[list[int]], SamplingRow]
-                       ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits [k+1, V]; row_for(emitted_so_far) builds the SamplingRow for the next position."""
-    emitted, logprobs = [], []
-    for j in range(logits.shape[0]):
-        out = sampler(logits[j:j + 1], [row_for(emitted)])
-        tok = out.token_ids[0]
-        emitted.append(tok)
-        logprobs.append(out.logprobs[0])
+def accept_sampled(sampled: list[int], drafts: list[int]) -> int:
+    """How many tokens to emit, given a token sampled at each of the k+1 positions with the
+    history each position has if every earlier draft is accepted: up to and including the
+    first position whose sample differs from its draft."""
+    for j, tok in enumerate(sampled):
         if j == len(drafts) or tok != drafts[j]:
-            break
-    return emitted, logprobs
+            return j + 1
+    return len(sampled)

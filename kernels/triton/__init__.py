@@ -1,0 +1,25 @@
+"""Triton (GPU) backend of the engine's kernels: same names and contracts as the torch ops.
+
+Imported lazily by kernels/dispatch.py the first time an op runs on this backend (importing
+fla takes seconds). On CPU tensors these kernels run only under TRITON_INTERPRET=1 with
+`interpreter_shim.install()` applied, which is how tests/triton checks them.
+"""
+
+from .attention import paged_attention, write_kv_cache
+from .conv import causal_conv1d_update, causal_conv1d_varlen
+from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, recurrent_gated_delta_rule_fused_gating
+from .norm import apply_partial_rope, gated_rms_norm, qk_norm_rope, rms_norm
+
+__all__ = [
+    "apply_partial_rope",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+    "chunk_gated_delta_rule",
+    "gated_rms_norm",
+    "paged_attention",
+    "qk_norm_rope",
+    "recurrent_gated_delta_rule",
+    "recurrent_gated_delta_rule_fused_gating",
+    "rms_norm",
+    "write_kv_cache",
+]

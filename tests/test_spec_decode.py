@@ -1,0 +1,287 @@
+"""MTP speculative decoding: lossless greedy, exact state after rewind, lossless sampling, no leaks."""
+
+import random
+
+import pytest
+import torch
+
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+from spec_models import make_spec_checkpoint
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def spec_ckpts(tmp_path_factory):
+    return {f: make_spec_checkpoint(tmp_path_factory.mktemp(f), f, embed_scale=1.6) for f in FAMILIES}
+
+
+def spec(k):
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def assert_no_leak(engine):
+    assert not engine.has_unfinished_requests()
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.cache.num_free_slots == engine.cache.num_slots
+
+
+def run_staggered(engine, prompts, params, arrivals):
+    """Adds prompt i at step arrivals[i], so new prefills mix with speculating decodes."""
+    outs, step = {}, 0
+    while len(outs) < len(prompts):
+        for i, t in enumerate(arrivals):
+            if t == step:
+                engine.add_request(prompts[i], params, request_id=str(i))
+        for o in engine.step():
+            if o.finished:
+                outs[int(o.request_id)] = o.token_ids
+        step += 1
+    return [outs[i] for i in range(len(prompts))]
+
+
+def workload(seed=0, n=6):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 70))] for _ in range(n)]
+    arrivals = sorted(rng.randrange(8) for _ in range(n))
+    return prompts, arrivals
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lossless_greedy_all_k_with_chunked_prefill_and_preemption(spec_ckpts, family):
+    folder = str(spec_ckpts[family])
+    prompts, arrivals = workload()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref_engine = LLMEngine(EngineConfig(model=folder, dtype="float32"))
+    reference = run_staggered(ref_engine, prompts, params, arrivals)
+    for k in (1, 2, 3, 5):
+        probe = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k), max_num_seqs=6,
+                                       max_num_batched_tokens=6 * (1 + k)))
+        s = probe.cache.spec
+        # Room for all slots but only ~14 blocks of 16 tokens: forces preemptions.
+        tight = 6 * (1 + k) * s.bytes_per_slot + 14 * s.bytes_per_block
+        for cfg in (dict(max_num_batched_tokens=6 * (1 + k) + 10),          # chunked prefill
+                    dict(max_num_batched_tokens=64, cache_memory_bytes=tight)):
+            engine = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k),
+                                            max_num_seqs=6, **cfg))
+            assert run_staggered(engine, prompts, params, arrivals) == reference, (k, cfg)
+            assert_no_leak(engine)
+            st = engine.spec_stats
+            assert 0.2 <= st.acceptance_rate <= 0.8, (k, st.as_dict())
+            assert any(n > 0 for n in st.accepted_per_position)         # multi-token acceptances
+            assert st.num_accepted < st.num_drafted                     # and rejections
+            if "cache_memory_bytes" in cfg:
+                assert engine.num_preemptions > 0
+
+
+def committed_state(engine, rid):
+    """A request's committed GDN state (per layer) and KV of its computed tokens."""
+    req = engine.requests[rid]
+    rc = engine.cache.get(rid)
+    n, bs = req.num_computed_tokens, engine.cache.spec.block_size
+    pos = torch.arange(n)
+    blocks = torch.tensor(rc.block_table)[pos // bs]
+    kv = [c[blocks, :, pos % bs].clone() for c in engine.cache.kv_caches[:len(engine.model_config.full_attention_layers)]]
+    conv = [c[rc.slot].clone() for c in engine.cache.conv_states]
+    rec = [c[rc.slot].clone() for c in engine.cache.recurrent_states]
+    return n, conv, rec, kv
+
+
+def snapshots(engine, prompts, params):
+    snaps, accepted_per_step = {}, []
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    while engine.has_unfinished_requests():
+        before = {rid: r.spec_stats.num_accepted for rid, r in engine.requests.items() if r.spec_stats}
+        engine.step()
+        step_acc = set()
+        for rid, r in engine.requests.items():
+            if r.num_computed_tokens > 0 and not r.is_finished:
+                n, conv, rec, kv = committed_state(engine, rid)
+                snaps[(rid, n)] = (conv, rec, kv)
+                if rid in before:
+                    step_acc.add(r.spec_stats.num_accepted - before[rid])
+        accepted_per_step.append(step_acc)
+    return snaps, accepted_per_step
+
+
+@pytest.mark.parametrize("family, k", [("qwen3_5", 3), ("qwen3_next", 2)])
+def test_committed_state_after_every_verify_equals_non_speculative(spec_ckpts, family, k):
+    folder = str(spec_ckpts[family])
+    prompts, _ = workload(seed=1, n=4)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref, _ = snapshots(LLMEngine(EngineConfig(model=folder, dtype="float32")), prompts, params)
+    got, accepted = snapshots(LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k))),
+                              prompts, params)
+    compared = 0
+    for key, (conv, rec, kv) in got.items():
+        rconv, rrec, rkv = ref[key]
+        for a, b in zip(conv + rec, rconv + rrec):
+            assert (a - b).abs().max().item() <= 1e-5, key
+        for a, b in zip(kv, rkv):
+            assert (a - b).abs().max().item() <= 1e-5, key
+        compared += 1
+    assert compared >= 20
+    # Requests in one step accepted different numbers of drafts: each used its own count.
+    assert any(len(s) > 1 for s in accepted)
+
+
+def test_stale_or_nan_state_in_free_slots_is_never_read_nor_written(spec_ckpts):
+    """PEERS 2 and 3: a fresh request never starts from another's state (has_initial_state is
+    per request), and nothing padded is written to a state slot no request owns."""
+    folder = str(spec_ckpts["qwen3_5"])
+    prompts = [[5], [7, 8], [9, 10, 11], list(range(40))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = LLM(model=folder, dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=folder, dtype="float32", speculative_config=spec(3))
+    cache = llm.engine.cache
+    for t in cache.conv_states + cache.recurrent_states + cache.kv_caches:
+        t.fill_(float("nan"))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    # Only 4 requests x (1 + 3) slots were ever handed out; every other slot is still NaN.
+    used = 4 * 4
+    for t in cache.conv_states + cache.recurrent_states:
+        untouched = t[used:]
+        assert torch.isnan(untouched).all()
+
+
+def chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """p-value of a two-sample chi-square test on count vectors (sparse bins merged)."""
+    keep = (a + b) >= 20
+    a = torch.cat([a[keep], a[~keep].sum().view(1)]).double()
+    b = torch.cat([b[keep], b[~keep].sum().view(1)]).double()
+    nz = (a + b) > 0
+    a, b = a[nz], b[nz]
+    na, nb = a.sum(), b.sum()
+    ea, eb = (a + b) * na / (na + nb), (a + b) * nb / (na + nb)
+    stat = (((a - ea) ** 2) / ea + ((b - eb) ** 2) / eb).sum()
+    return torch.special.gammaincc(torch.tensor((a.numel() - 1) / 2.0, dtype=torch.float64), stat / 2).item()
+
+
+N_SAMPLES = 12000
+ALPHA = 0.01
+
+
+def first_tokens(folder, params, speculative, n=N_SAMPLES):
+    llm = LLM(model=folder, dtype="float32", max_num_seqs=500, max_num_batched_tokens=4000,
+              speculative_config=speculative, seed=0)
+    outs = llm.generate([[3, 1, 4, 1, 5]] * n, params, use_tqdm=False)
+    counts = torch.zeros(4, 256)
+    for o in outs:
+        for j, t in enumerate(o.token_ids):
+            counts[j, t] += 1
+    assert_no_leak(llm.engine)
+    return counts, llm.engine.spec_stats
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_tokens=4, ignore_eos=True),
+])
+def test_sampling_with_speculation_is_lossless(spec_ckpts, params):
+    """The first 4 emitted tokens have the same distribution with and without speculation."""
+    folder = str(spec_ckpts["qwen3_5"])
+    base, _ = first_tokens(folder, params, None)
+    got, stats = first_tokens(folder, params, spec(2))
+    assert stats.num_accepted > 0 and stats.num_accepted < stats.num_drafted
+    for j in range(4):
+        assert chi_square_p(got[j], base[j]) > ALPHA, j
+
+
+def test_chi_square_at_this_size_catches_a_two_percent_bias():
+    """Power check for the test above: moving 2% of the probability mass at N_SAMPLES per arm is
+    detected, on distributions shaped like the ones tested (a few likely tokens)."""
+    g = torch.Generator().manual_seed(0)
+    detected = 0
+    for trial in range(20):
+        p = torch.softmax(torch.randn(256, generator=g) * 2.5, dim=0)
+        q = p.clone()
+        order = p.argsort(descending=True)
+        q[order[0]] -= 0.02
+        q[order[1]] += 0.02
+        a = torch.bincount(torch.multinomial(p, N_SAMPLES, replacement=True, generator=g), minlength=256)
+        b = torch.bincount(torch.multinomial(q, N_SAMPLES, replacement=True, generator=g), minlength=256)
+        detected += chi_square_p(a.float(), b.float()) <= ALPHA
+    assert detected >= 18
+
+
+def test_penalties_min_tokens_and_stop_tokens_with_speculation(spec_ckpts):
+    folder = str(spec_ckpts["qwen3_5"])
+    prompts, _ = workload(seed=3, n=4)
+    cases = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+             SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5, logprobs=2)]
+    base = LLM(model=folder, dtype="float32")
+    sp = LLM(model=folder, dtype="float32", speculative_config=spec(3))
+    for params in cases:
+        ref = base.generate(prompts, params, use_tqdm=False)
+        got = sp.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        if params.logprobs:
+            for a, b in zip(got, ref):
+                for la, lb in zip(a.logprobs, b.logprobs):
+                    assert la.keys() == lb.keys()
+                    assert max(abs(la[t] - lb[t]) for t in la) < 1e-4
+    # A stop token inside the accepted drafts ends the request right there.
+    plain = base.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                          use_tqdm=False)[0].token_ids
+    stop = plain[6]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    out = sp.generate(prompts[0], params, use_tqdm=False)[0]
+    assert out.token_ids == plain[:plain.index(stop) + 1] and out.finish_reason == "stop"
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop],
+                            min_tokens=plain.index(stop) + 2)
+    assert sp.generate(prompts[0], params, use_tqdm=False)[0].token_ids == \
+        base.generate(prompts[0], params, use_tqdm=False)[0].token_ids
+    assert_no_leak(sp.engine)
+
+
+def test_spec_stats_on_outputs(spec_ckpts):
+    llm = LLM(model=str(spec_ckpts["qwen3_5"]), dtype="float32", speculative_config=spec(2))
+    out = llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)[0]
+    s = out.metrics["spec_decode"]
+    assert s["num_drafted"] == 2 * s["num_verify_steps"] > 0
+    assert 1.0 <= s["mean_accept_length"] <= 3.0
+    assert len(s["acceptance_rate_per_position"]) == 2
+
+
+def test_speculation_needs_mtp_weights(tmp_path):
+    from checkpoints import make_hf_model, save_checkpoint
+    save_checkpoint(make_hf_model("qwen3_5"), tmp_path)
+    with pytest.raises(ValueError, match="mtp"):
+        LLM(model=str(tmp_path), speculative_config=spec(2))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model=str(tmp_path), speculative_config=spec(9))
+
+
+def test_200_random_speculative_requests_with_aborts_mid_verify(spec_ckpts):
+    rng = random.Random(99)
+    engine = LLMEngine(EngineConfig(model=str(spec_ckpts["qwen3_5_moe"]), dtype="float32",
+                                    speculative_config=spec(3), max_num_seqs=8, max_num_batched_tokens=64))
+    live, done, aborted, rejected, pending = set(), 0, 0, 0, 200
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if not pending:
+                break
+            pending -= 1
+            prompt = [rng.randrange(260) for _ in range(rng.randint(0, 50))]
+            params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 16),
+                                    seed=rng.choice([None, 5]), top_k=rng.choice([-1, 4]), ignore_eos=True)
+            try:
+                live.add(engine.add_request(prompt, params))
+            except ValueError:
+                rejected += 1
+        decoding = [r for r in live if engine.requests[r].draft_token_ids]
+        if decoding and rng.random() < 0.1:      # abort while it holds drafts and draft slots
+            victim = rng.choice(sorted(decoding))
+            engine.abort_request(victim)
+            live.discard(victim)
+            aborted += 1
+        for out in engine.step():
+            if out.finished:
+                live.discard(out.request_id)
+                done += 1
+    assert aborted > 0 and rejected > 0 and done + aborted + rejected == 200
+    assert_no_leak(engine)
