@@ -201,3 +201,14 @@ def test_200_random_requests_with_aborts_and_invalid(dense_ckpt):
     assert rejected > 0 and aborted > 0 and finished > 100
     assert finished + aborted + rejected == 200
     assert_no_leak(engine)
+
+
+def test_chat_uses_the_tokenizer_chat_template(dense_ckpt):
+    llm = LLM(model=str(dense_ckpt), dtype="float32")
+    messages = [{"role": "user", "content": "print hello"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "print hello" in prompt and out.prompt == prompt
+    assert out.token_ids == llm.generate(prompt, params, use_tqdm=False)[0].token_ids
+    assert_no_leak(llm.engine)
