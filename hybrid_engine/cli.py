@@ -1,41 +1,239 @@
-"""`hybrid-engine` console script."""
+"""`hybrid-engine` console script: generate, bench, inspect (and `inspect diff`).
+
+This file holds what the three commands share: the parser, the engine and prompt options,
+and the one rule for errors: a user's mistake (a bad flag value, a missing model folder, a
+bad prompt, an unreadable snapshot, speculation without an MTP head) is one line on stderr,
+`hybrid-engine: error: ...`, and exit code 2. A bug still shows its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+PROG = "hybrid-engine"
 
 
-def _generate(args) -> int:
-    from hybrid_engine import LLM, SamplingParams
+class CLIError(Exception):
+    """A mistake on the command line: reported in one line, exit code 2."""
 
-    llm = LLM(model=args.model, dtype=args.dtype)
-    prompts = args.prompt or [sys.stdin.read()]
-    if llm.tokenizer is None:
-        prompts = [[int(t) for t in p.split()] for p in prompts]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        print(out.text if llm.tokenizer is not None else " ".join(map(str, out.token_ids)))
-    return 0
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage block and exit by itself
+        raise CLIError(f"{message} (see '{self.prog} --help')")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hybrid-engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from prompts")
-    g.add_argument("prompt", nargs="*", help="prompts (text, or space-separated token ids without a tokenizer)")
-    g.add_argument("--model", default=None, help="local HF checkpoint folder (default: embedded model)")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _generate(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"hybrid-engine: error: {e}", file=sys.stderr)
+        args = _parse(argv)
+        return args.run(args)
+    except BrokenPipeError:  # `hybrid-engine ... | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except (CLIError, ValueError, OSError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from . import cli_bench, cli_generate, cli_inspect
+
+    # `inspect diff A B` has its own positionals; `inspect [PROMPT ...]` takes prompts.
+    if argv[:2] == ["inspect", "diff"]:
+        parser = _Parser(prog=f"{PROG} inspect diff", description=cli_inspect.DIFF_DESCRIPTION)
+        cli_inspect.add_diff_arguments(parser)
+        args = parser.parse_args(argv[2:])
+        args.run = cli_inspect.run_diff
+        return args
+    parser = _Parser(prog=PROG, description="Inference engine for Qwen3.5-style hybrid LMs.",
+                     epilog="`hybrid-engine inspect diff A B` compares two snapshots. "
+                            "`hybrid-engine COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for module in (cli_generate, cli_bench, cli_inspect):
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser.parse_args(argv)
+
+
+# ---- options shared by the commands ----------------------------------------------------------
+
+def add_engine_arguments(parser: argparse.ArgumentParser, dtype_default: str | None = "auto",
+                         dtype_help: str = "weight dtype (default: auto: the config's, else float32)") -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="local HF checkpoint folder (default: the embedded model)")
+    g.add_argument("--dtype", default=dtype_default, choices=["auto", "float32", "bfloat16", "float16"],
+                   help=dtype_help)
+    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: 16)")
+    g.add_argument("--max-num-seqs", type=int, default=16,
+                   help="most requests running at once (default: 16)")
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT",
+                        help="prompt text (space-separated token ids when the model has no tokenizer)")
+    parser.add_argument("--file", default=None, metavar="FILE",
+                        help="prompts, one per line, or JSONL with a \"prompt\" field ('-' = stdin)")
+
+
+def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
+    import torch
+
+    from . import LLM
+
+    if args.model is not None and not Path(args.model).is_dir():
+        raise CLIError(f"model folder not found: {args.model}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise CLIError(f"--device {args.device!r} is not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device} but torch sees no CUDA device")
+    if num_speculative_tokens < 0:
+        raise CLIError(f"--speculative-tokens must be >= 0, got {num_speculative_tokens}")
+    spec = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
+    seqs = args.max_num_seqs
+    return LLM(model=args.model, dtype=dtype or args.dtype, device=args.device, block_size=args.block_size,
+               max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * (1 + num_speculative_tokens)),
+               speculative_config=spec)
+
+
+def require_mtp(llm, what: str) -> None:
+    if llm.engine.model.mtp is None:
+        raise CLIError(f"{what} needs a model with an MTP head, but {llm.engine.config.model} has no mtp.* weights")
+
+
+def read_prompts(args, stdin_fallback: bool = True) -> list[str | list[int]]:
+    """Prompts from the arguments, else --file, else (when allowed) all of stdin as one prompt."""
+    if args.prompts and args.file:
+        raise CLIError("give prompts as arguments or with --file, not both")
+    if args.prompts:
+        return list(args.prompts)
+    if args.file:
+        return read_prompt_file(args.file)
+    if stdin_fallback and not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text.strip():
+            return [text.rstrip("\n")]
+    if stdin_fallback:
+        raise CLIError("no prompt given: pass it as an argument, with --file, or on stdin")
+    return []
+
+
+def read_prompt_file(path: str) -> list[str | list[int]]:
+    """One prompt per line, or JSONL objects with "prompt" (a string or a list of token ids)."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise CLIError(f"prompt file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"cannot read prompt file {path}: {e}") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise CLIError(f"prompt file {path} holds no prompts")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+            prompts.append(record["prompt"])
+        except (ValueError, KeyError, TypeError):
+            raise CLIError(f"{path} line {n}: expected a JSON object with a \"prompt\" field") from None
+    return prompts
+
+
+def encode_prompts(llm, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Text prompts become token ids when the model has no tokenizer; every prompt is then
+    checked by the engine, so a bad one fails before anything runs."""
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) and llm.tokenizer is None:
+            try:
+                p = [int(t) for t in p.split()]
+            except ValueError:
+                raise CLIError(f"prompt {i}: the model has no tokenizer, so a prompt must be "
+                               f"space-separated token ids; got {p[:40]!r}") from None
+        try:
+            llm.engine.encode_prompt(p)
+        except ValueError as e:
+            raise CLIError(f"prompt {i}: {e}") from None
+        out.append(p)
+    return out
+
+
+def sampling_params(args, **fixed):
+    """SamplingParams from the sampling flags present on `args`, checked before any model loads;
+    a bad value is reported under its flag's name."""
+    from .sampling_params import SamplingParams
+
+    names = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "stop",
+             "repetition_penalty", "ignore_eos")
+    values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    values.update(fixed)
+    params = SamplingParams(**values)
+    try:
+        params.validate(vocab_size=2**31)   # no vocabulary-dependent field comes from the command line
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise CLIError(f"--{field.replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
+    return params
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int, full: bool = True) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    if full:
+        g.add_argument("--top-k", type=int, default=-1, help="-1 = the whole vocabulary (default)")
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--min-p", type=float, default=0.0)
+        g.add_argument("--repetition-penalty", type=float, default=1.0)
+        g.add_argument("--stop", action="append", default=None, metavar="STRING",
+                       help="stop at this string (repeatable)")
+
+
+def console(file=None):
+    """A rich console; when not writing to a terminal, wide enough that tables do not wrap."""
+    from rich.console import Console
+
+    file = file or sys.stdout
+    return Console(file=file, width=None if file.isatty() else 200, highlight=False)
+
+
+def dtype_name(engine) -> str:
+    return str(engine.model.embed_tokens.weight.dtype).removeprefix("torch.")
+
+
+def write_json(path: str, data) -> None:
+    text = json.dumps(data, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the imported module, not this __main__ copy: the command modules raise
+    # hybrid_engine.cli.CLIError, which only that module's main() catches.
+    from hybrid_engine.cli import main as _main
+
+    sys.exit(_main())
