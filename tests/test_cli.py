@@ -102,10 +102,17 @@ def test_bench_reports_every_k_and_identical_greedy_outputs(models):
 
 # ---- inspect ---------------------------------------------------------------------------------
 
-def test_inspect_shows_pools_requests_layers_and_writes_a_snapshot(models):
+@pytest.fixture(scope="module")
+def inspected(models):
+    """One `inspect --step 3 --snapshot` run, shared by the tests that read its outputs."""
     root = models["root"]
-    r = ok(cli("inspect", "--model", models["spec"], "--step", "3", "--speculative-tokens", "2", "the model",
-               "hello", "--snapshot", root / "a.safetensors", "--json", root / "inspect.json"))
+    return ok(cli("inspect", "--model", models["spec"], "--step", "3", "--speculative-tokens", "2", "the model",
+                  "hello", "--snapshot", root / "a.safetensors", "--json", root / "inspect.json"))
+
+
+def test_inspect_shows_pools_requests_layers_and_writes_a_snapshot(models, inspected):
+    root = models["root"]
+    r = inspected
     for title in ("pools", "requests", "per-layer state", "block table", "draft slots"):
         assert title in r.stdout
     step = json.loads((root / "inspect.json").read_text())["steps"][-1]
@@ -118,13 +125,11 @@ def test_inspect_shows_pools_requests_layers_and_writes_a_snapshot(models):
     assert all(row["nan"] == 0 and row["inf"] == 0 for row in step["layers"])
 
 
-def test_inspect_diff_names_the_first_differing_layer(models):
+def test_inspect_diff_names_the_first_differing_layer(models, inspected):
     from hybrid_engine.state_cache.snapshot import diff_snapshots, load_snapshot, save_snapshot
 
     root = models["root"]
     a = root / "a.safetensors"
-    if not a.exists():
-        pytest.skip("needs the snapshot of the inspect test")
     snap = load_snapshot(a)
     assert snap.metadata["step"] == 3 and [r["id"] for r in snap.metadata["requests"]] == ["0", "1"]
     assert diff_snapshots(snap, load_snapshot(a)).equal
