@@ -38,15 +38,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN35_08B_CONFIG = {
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
-    "num_hidden_layers": 24, "full_attention_interval": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    "tie_word_embeddings": True, "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1,
-    "rms_norm_eps": 1e-6, "eos_token_id": 0,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 HBM_BYTES_PER_S = 4.8e12
 PREFILL_LEN = 2048
 DECODE_PROMPT_LEN = 64
@@ -82,7 +74,7 @@ def run_tests(budget: Budget) -> dict:
 def write_model(folder: Path) -> None:
     import torch
 
-    from hybrid_engine.default_model import write_random_checkpoint
+    from random_checkpoint import QWEN35_08B_CONFIG, write_random_checkpoint
 
     with torch.device("cuda"):                          # random init on the GPU: seconds, not minutes
         write_random_checkpoint(folder, QWEN35_08B_CONFIG, seed=0)

@@ -119,8 +119,10 @@ def test_committed_state_after_every_verify_equals_non_speculative(spec_ckpts, f
         rconv, rrec, rkv = ref[key]
         for a, b in zip(conv + rec, rconv + rrec):
             assert (a - b).abs().max().item() <= 1e-5, key
+        # K/V of the accepted range: the same values up to float32 rounding (a verify's k+1 rows
+        # and a decode's one row go through different BLAS kernels), so relative to their size.
         for a, b in zip(kv, rkv):
-            assert (a - b).abs().max().item() <= 1e-5, key
+            assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()), key
         compared += 1
     assert compared >= 20
     # Requests in one step accepted different numbers of drafts: each used its own count.
