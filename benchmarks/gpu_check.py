@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_checkpoint import QWEN35_08B_CONFIG, write_random_checkpoint  # noqa: E402
 HBM_BYTES_PER_S = 4.8e12
 PREFILL_LEN = 2048
 DECODE_PROMPT_LEN = 64
@@ -74,7 +75,6 @@ def run_tests(budget: Budget) -> dict:
 def write_model(folder: Path) -> None:
     import torch
 
-    from random_checkpoint import QWEN35_08B_CONFIG, write_random_checkpoint
 
     with torch.device("cuda"):                          # random init on the GPU: seconds, not minutes
         write_random_checkpoint(folder, QWEN35_08B_CONFIG, seed=0)
