@@ -75,7 +75,6 @@ def run_tests(budget: Budget) -> dict:
 def write_model(folder: Path) -> None:
     import torch
 
-
     with torch.device("cuda"):                          # random init on the GPU: seconds, not minutes
         write_random_checkpoint(folder, QWEN35_08B_CONFIG, seed=0)
 
