@@ -14,6 +14,7 @@ class ModelRunner:
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager):
         self.model = model
         self.cache = cache
+        model.pack_weights()        # CPU bf16/fp16: oneDNN's weight layout (models/linear.py)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:

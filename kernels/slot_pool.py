@@ -11,6 +11,7 @@ def scatter_to_slots(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tens
     pool: [S, ...]; slots: [M] int64; values: [M, ...] (cast to pool.dtype).
     """
     keep = slots >= 0
-    if not bool(keep.all()):
-        slots, values = slots[keep], values[keep]
-    pool[slots] = values.to(pool.dtype)
+    if bool(keep.all()):
+        pool.index_copy_(0, slots, values.to(pool.dtype))   # much faster than pool[slots] = values
+    else:
+        pool[slots[keep]] = values[keep].to(pool.dtype)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_engine.kernels import apply_partial_rope, paged_attention, rms_norm, write_kv_cache
 
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .linear import linear, merge_projections
 
 
 class GatedAttention(nn.Module):
+    PACKED_WEIGHTS = ["qkv_weight", "o_proj.weight"]
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -28,15 +30,17 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
         self.q_norm = _NormWeight(hd)
         self.k_norm = _NormWeight(hd)
+        merge_projections(self, "qkv_weight", ["q_proj", "k_proj", "v_proj"])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q_gate, k, v = linear(x, self.qkv_weight).split(self.qkv_weight_sizes, dim=-1)
+        q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # q/k norms are zero-centred RMSNorms over head_dim, applied before RoPE.
         q = rms_norm(q, self.q_norm.weight, self.eps)
-        k = rms_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.eps)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = rms_norm(k.view(t, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.eps)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q = apply_partial_rope(q, cos, sin)
         k = apply_partial_rope(k, cos, sin)
@@ -44,7 +48,7 @@ class GatedAttention(nn.Module):
         o = paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale)
         # The gate is per head and per dim, in the same (head, dim) order as the output.
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(o)
+        return linear(o, self.o_proj.weight)
 
 
 class _NormWeight(nn.Module):

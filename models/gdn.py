@@ -22,9 +22,12 @@ from hybrid_engine.kernels import (
 
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .linear import linear, merge_projections
 
 
 class GatedDeltaNet(nn.Module):
+    PACKED_WEIGHTS = ["in_proj_weight", "out_proj.weight"]
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h = cfg.hidden_size
@@ -43,15 +46,17 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = _PlainNormWeight(self.dv)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        merge_projections(self, "in_proj_weight", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
                 state_pool: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)                                   # [T, conv_dim], pre-conv
-        z = self.in_proj_z(x).view(t, self.hv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))                       # activation dtype, as HF
+        # mixed: [T, conv_dim], pre-conv q|k|v; z: output gate; b, a: per value head
+        mixed, z, b, a = linear(x, self.in_proj_weight).split(self.in_proj_weight_sizes, dim=-1)
+        z = z.view(t, self.hv, self.dv)
+        beta = torch.sigmoid(b)                                       # activation dtype, as HF
         # Log-space decay in fp32: A_log spans log(0.01..16), fp16 would overflow exp.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
         conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
         p, np_ = batch.num_prefill_tokens, batch.num_prefills
@@ -83,7 +88,7 @@ class GatedDeltaNet(nn.Module):
             outs.append(o.reshape(nd * dl, self.hv, self.dv))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         y = gated_rms_norm(o, z, self.norm.weight, self.eps)          # plain weight, not 1+w
-        return self.out_proj(y.reshape(t, self.value_dim))
+        return linear(y.reshape(t, self.value_dim), self.out_proj.weight)
 
     def _split_heads(self, u: torch.Tensor):
         t = u.shape[0]

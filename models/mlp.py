@@ -7,17 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .linear import linear, merge_projections
 
 
 class SwiGLU(nn.Module):
+    PACKED_WEIGHTS = ["gate_up_weight", "down_proj.weight"]
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class Experts(nn.Module):

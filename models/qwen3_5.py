@@ -7,7 +7,6 @@ the cache pools are passed in, hidden states come out.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_engine.kernels import rms_norm, rope_cos_sin
@@ -16,6 +15,7 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
+from .linear import can_pack, linear, pack_weight, pack_weights
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -35,6 +35,7 @@ class HybridForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # The MTP layer's KV pool comes right after the main model's attention pools.
         self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL]) if with_mtp else None
+        self.packed_lm_head: torch.Tensor | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -55,4 +56,15 @@ class HybridForCausalLM(nn.Module):
         return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight())
+        weight = self.lm_head_weight() if self.packed_lm_head is None else self.packed_lm_head
+        return linear(hidden, weight)
+
+    def pack_weights(self) -> None:
+        """Reorders the projection weights for oneDNN where that pays (models/linear.py: CPU,
+        bfloat16 / float16; a no-op otherwise). Inference only: afterwards state_dict holds
+        opaque or meta tensors. A tied lm_head gets a packed copy (the embedding lookup needs
+        the plain table): vocab x hidden more memory, for the largest matmul of every step."""
+        for module in self.modules():
+            pack_weights(module, getattr(module, "PACKED_WEIGHTS", []))
+        if can_pack(self.lm_head_weight()) and self.packed_lm_head is None:
+            self.packed_lm_head = pack_weight(self.lm_head_weight())

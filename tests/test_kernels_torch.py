@@ -21,6 +21,7 @@ from hybrid_engine.kernels import (
     rope_cos_sin,
     write_kv_cache,
 )
+from hybrid_engine.kernels.gdn import recurrent as recurrent_module
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,12 +109,15 @@ def _recurrent_case(B, T, seed):
     return q, k, v, g, beta, pool
 
 
+@pytest.mark.parametrize("in_place_min_bytes", [0, None])  # 0: large-state path on tiny states
 @pytest.mark.parametrize("read, write", [
     ([4, 0, 7], [[4], [0], [7]]),                      # plain decode: in place
     ([4, 0, 7], [[0], [7], [4]]),                      # each row writes another row's read slot
     ([4, 0, 7], [[1, 2, 3], [5, 6, 8], [9, 10, 7]]),   # verify: one slot per draft position
 ])
-def test_recurrent_pool_matches_naive(read, write):
+def test_recurrent_pool_matches_naive(read, write, in_place_min_bytes, monkeypatch):
+    if in_place_min_bytes is not None:
+        monkeypatch.setattr(recurrent_module, "IN_PLACE_MIN_BYTES", in_place_min_bytes)
     read, write = torch.tensor(read), torch.tensor(write)
     B, T = write.shape
     q, k, v, g, beta, pool = _recurrent_case(B, T, seed=5)

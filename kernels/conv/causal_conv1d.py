@@ -26,20 +26,27 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     W = weight.shape[1] - 1
     N = cu_seqlens.numel() - 1
     device = x.device
-    if T == 0:                                          # too short for F.conv1d; nothing to do
+    if T == 0:                                          # nothing to do
         return x.new_empty(0, D), initial_window.to(x.dtype).clone()
-    # One buffer holds every sequence as [window | inputs], back to back. A token's K-tap
-    # receptive field then never leaves its own segment, so one conv call serves all sequences.
+    # One buffer holds every sequence as [window | inputs], back to back, one row per time step.
+    # A token's K-tap receptive field then never leaves its own segment, so K multiply-adds over
+    # shifted row ranges serve all sequences. That is F.conv1d's order of summation (bitwise
+    # equal in float32) without its transposes to channels-major and back, which cost more than
+    # the conv itself on CPU.
     seq_ids = torch.arange(N, device=device)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     token_row = torch.arange(T, device=device) + W * (torch.repeat_interleave(seq_ids, lengths) + 1)
     window_rows = (cu_seqlens[:-1] + W * seq_ids)[:, None] + torch.arange(W, device=device)
     buf = x.new_empty(T + N * W, D)
-    buf[token_row] = x
-    buf[window_rows.flatten()] = initial_window.transpose(1, 2).reshape(N * W, D).to(x.dtype)
+    buf.index_copy_(0, token_row, x)
+    buf.index_copy_(0, window_rows.flatten(), initial_window.transpose(1, 2).reshape(N * W, D).to(x.dtype))
 
-    conv = F.conv1d(buf.t().unsqueeze(0), weight.unsqueeze(1).to(x.dtype), groups=D)[0]  # [D, T+(N-1)W]
-    y = F.silu(conv[:, token_row - W]).t().contiguous()                # conv output j ends at row j+W
+    bf, wf = buf.float(), weight.float()
+    n_out = T + (N - 1) * W                                            # output j ends at buffer row j+W
+    conv = bf[:n_out] * wf[:, 0]
+    for j in range(1, W + 1):
+        conv = torch.addcmul(conv, bf[j:j + n_out], wf[:, j])
+    y = F.silu(conv.to(x.dtype).index_select(0, token_row - W))
     final_window = buf[window_rows + lengths[:, None]].transpose(1, 2).contiguous()
     return y, final_window
 
@@ -53,11 +60,21 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: tor
     int64, the window after token t of row b goes to window_pool[write_slots[b, t]] (entries
     < 0 skipped; tokens are written in order, so a slot repeated along t keeps the last
     window). All reads happen before any write. Returns y: [B, T, D] in x.dtype.
+
+    The taps are summed in weight order as one multiply-add per tap over the batch (as
+    F.conv1d does: bitwise equal to it in float32), because conv1d's per-call set-up costs
+    more than the arithmetic at decode sizes. Accumulated in float32, rounded to x.dtype
+    before the SiLU, as conv1d's output would be.
     """
     B, T, D = x.shape
     W = weight.shape[1] - 1
-    xx = torch.cat([window_pool[read_slots].to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, W+T]
-    y = F.silu(F.conv1d(xx, weight.unsqueeze(1).to(x.dtype), groups=D)).transpose(1, 2)
+    xx = torch.cat([window_pool.index_select(0, read_slots).to(x.dtype), x.transpose(1, 2)], dim=-1)
+    taps = xx.float().unfold(-1, T, 1).unbind(2)                        # K x [B, D, T]
+    w = weight.float()[:, :, None].unbind(1)                              # K x [D, 1]
+    y = taps[0] * w[0]
+    for tap, w_j in zip(taps[1:], w[1:]):
+        y = torch.addcmul(y, tap, w_j)
+    y = F.silu(y.to(x.dtype)).transpose(1, 2)
     for t in range(T):                                 # in token order: a repeated slot keeps the last
-        scatter_to_slots(window_pool, write_slots[:, t], xx[:, :, t + 1:t + 1 + W])
+        scatter_to_slots(window_pool, write_slots[:, t], xx[:, :, t + 1:t + 1 + W].contiguous())
     return y

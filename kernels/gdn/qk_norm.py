@@ -25,3 +25,18 @@ def normalize_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: floa
         q = q.repeat_interleave(groups, dim=-2)
         k = k.repeat_interleave(groups, dim=-2)
     return q, k
+
+
+def normalize_kq(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float | None,
+                 use_qk_l2norm: bool) -> torch.Tensor:
+    """normalize_qk's result stacked as one tensor [..., Hv, 2, dk] float32: row 0 is k, row 1
+    is q (scaled), so one matmul against the state reads both k^T S and q^T S."""
+    dk = k.shape[-1]
+    kq = torch.stack([k, q], dim=-2).float()                          # [..., Hk, 2, dk]
+    if use_qk_l2norm:
+        kq = kq * torch.rsqrt(kq.square().sum(-1, keepdim=True) + 1e-6)
+    kq[..., 1, :] *= dk ** -0.5 if scale is None else scale
+    groups = num_v_heads // k.shape[-2]
+    if groups > 1:
+        kq = kq.repeat_interleave(groups, dim=-3)
+    return kq
