@@ -45,7 +45,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     n_out = T + (N - 1) * W                                            # output j ends at buffer row j+W
     conv = bf[:n_out] * wf[:, 0]
     for j in range(1, W + 1):
-        conv = torch.addcmul(conv, bf[j:j + n_out], wf[:, j])
+        conv.addcmul_(bf[j:j + n_out], wf[:, j])
     y = F.silu(conv.to(x.dtype).index_select(0, token_row - W))
     final_window = buf[window_rows + lengths[:, None]].transpose(1, 2).contiguous()
     return y, final_window
@@ -73,7 +73,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: tor
     w = weight.float()[:, :, None].unbind(1)                              # K x [D, 1]
     y = taps[0] * w[0]
     for tap, w_j in zip(taps[1:], w[1:]):
-        y = torch.addcmul(y, tap, w_j)
+        y.addcmul_(tap, w_j)
     y = F.silu(y.to(x.dtype)).transpose(1, 2)
     for t in range(T):                                 # in token order: a repeated slot keeps the last
         scatter_to_slots(window_pool, write_slots[:, t], xx[:, :, t + 1:t + 1 + W].contiguous())

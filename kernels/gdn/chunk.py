@@ -33,7 +33,6 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Returns o: [T, Hv, dv] in v.dtype and final_state: [N, Hv, dk, dv] float32.
     """
     T, Hv, dv = v.shape
-    dk = k.shape[-1]
     C = chunk_size
     out_dtype = v.dtype
     q, k = normalize_qk(q, k, Hv, scale, use_qk_l2norm)
