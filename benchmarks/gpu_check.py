@@ -79,12 +79,14 @@ def write_model(folder: Path) -> None:
         write_random_checkpoint(folder, QWEN35_08B_CONFIG, seed=0)
 
 
-def make_llm(folder: Path, spec: dict | None):
+def make_llm(folder: Path, spec: dict | None, enforce_eager: bool = False):
     from hybrid_engine import LLM
 
+    # CUDA graphs for decode/verify at the batch sizes benchmarked (capture at start-up).
     return LLM(model=str(folder), dtype="bfloat16", device="cuda", max_num_seqs=max(BATCHES),
                max_num_batched_tokens=max(PREFILL_LEN, max(BATCHES) * DECODE_PROMPT_LEN),
-               max_model_len=PREFILL_LEN + 64, speculative_config=spec)
+               max_model_len=PREFILL_LEN + 64, speculative_config=spec, enforce_eager=enforce_eager,
+               cuda_graph_batch_sizes=None if enforce_eager else list(BATCHES))
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -136,8 +138,12 @@ def benchmark(budget: Budget, results: dict) -> None:
     write_model(folder)
     results["model_write_s"] = time.monotonic() - t0
 
+    t0 = time.monotonic()
     llm = make_llm(folder, None)
     engine = llm.engine
+    results["engine_start_s"] = time.monotonic() - t0
+    graphs = engine.runner.decode_graphs
+    results["cuda_graphs"] = "off" if graphs is None else f"on, batch buckets {graphs.graphs[1].buckets}"
     main = [p for n, p in engine.model.named_parameters() if not n.startswith("mtp.")]
     weight_bytes = sum(p.numel() * p.element_size() for p in main)
     results["weight_bytes"] = weight_bytes
@@ -154,6 +160,12 @@ def benchmark(budget: Budget, results: dict) -> None:
         results["decode_b1_vs_roofline"] = roofline_ms / results["decode_b1"]["step_ms"]
     del llm, engine
     torch.cuda.empty_cache()
+    if budget.left() > 150:                             # what the graphs buy at batch 1
+        llm = make_llm(folder, None, enforce_eager=True)
+        decode_tok_s(llm.engine, 1)
+        results["decode_b1_eager"] = decode_tok_s(llm.engine, 1)
+        del llm
+        torch.cuda.empty_cache()
 
     if budget.left() < 60:
         results["mtp_k2"] = "skipped: out of time"
@@ -176,12 +188,16 @@ def summary(results: dict) -> str:
     lines.append(f"device: {results.get('device')}  torch {results.get('torch')}  triton {results.get('triton')}")
     tests = results.get("tests", {})
     lines.append(f"tests/triton (compiled): {'PASS' if tests.get('ok') else 'FAIL'}  {tests.get('summary', 'not run')}")
+    lines.append(f"CUDA graphs: {results.get('cuda_graphs', 'not reached')}")
     if "prefill_2k_tok_s" in results:
         lines.append(f"prefill, one {PREFILL_LEN}-token prompt: {results['prefill_2k_tok_s']:,.0f} tok/s")
     for b in BATCHES:
         r = results.get(f"decode_b{b}")
         if r:
             lines.append(f"decode batch {b:>2}: {r['tok_s']:,.0f} tok/s ({r['step_ms']:.2f} ms/step)")
+    if "decode_b1_eager" in results:
+        r = results["decode_b1_eager"]
+        lines.append(f"decode batch  1 without graphs (enforce_eager): {r['tok_s']:,.0f} tok/s ({r['step_ms']:.2f} ms/step)")
     if "roofline_b1_ms" in results:
         lines.append(f"batch-1 roofline: {results['weight_bytes'] / 1e9:.2f} GB weights / 4.8 TB/s = "
                      f"{results['roofline_b1_ms']:.3f} ms/step"

@@ -17,6 +17,9 @@ class EngineConfig:
     speculative_config: dict | None = None
     device: str = "cpu"
     seed: int = 0
+    # CUDA only: False captures decode/verify steps as CUDA graphs at start-up (vLLM's flag).
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: list[int] | None = None   # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -30,5 +33,12 @@ class EngineConfig:
         if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
                                                     or self.cache_memory_bytes <= 0):
             raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None and (not isinstance(sizes, (list, tuple)) or not sizes or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
+            raise ValueError(f"cuda_graph_batch_sizes must be a non-empty list of ints in 1..max_num_seqs "
+                             f"({self.max_num_seqs}), got {sizes!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")

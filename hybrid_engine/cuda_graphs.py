@@ -33,6 +33,9 @@ Pad = float | int | Callable[[torch.Tensor, int], None]
 class BufferSpec:
     """One step input: `rows_per_request * B + extra_rows` rows of shape `row_shape`.
 
+    An input may come with narrower rows than row_shape (a step's block table is as wide as
+    its longest sequence): it fills the leading columns and the rest gets the pad value.
+
     pad: the value padding rows get, or a function `pad(buffer_view, num_real_rows)` that
     fills rows num_real_rows.. of the bucket's view (e.g. cu_seqlens continuing by k+1).
     """
@@ -48,13 +51,13 @@ class BufferSpec:
 
 
 class StepGraphs:
-    """Runs `step(inputs) -> Tensor` for B requests through captured graphs per bucket.
+    """Runs `step(inputs) -> tuple of Tensors` for B requests through captured graphs per bucket.
 
-    step: takes a dict of input tensors (views of the persistent buffers) and returns one
-    tensor with `output_rows_per_request * bucket` leading rows.
+    step: takes a dict of input tensors (views of the persistent buffers) and returns a tuple
+    of tensors, each with `output_rows_per_request * bucket` leading rows.
     """
 
-    def __init__(self, step: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    def __init__(self, step: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
                  specs: dict[str, BufferSpec], buckets: Sequence[int], device: torch.device | str,
                  output_rows_per_request: int = 1, use_graphs: bool | None = None, warmup_runs: int = 2):
         self.step = step
@@ -69,7 +72,7 @@ class StepGraphs:
                                           device=self.device)
                         for name, spec in specs.items()}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def bucket_for(self, batch_size: int) -> int | None:
         for bucket in self.buckets:
@@ -99,7 +102,7 @@ class StepGraphs:
             pool = graph.pool()
             self.graphs[bucket] = graph
 
-    def run(self, batch_size: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def run(self, batch_size: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """inputs: name -> tensor with `spec.rows(batch_size)` rows. Returns the real rows."""
         bucket = self.bucket_for(batch_size)
         if bucket is None:
@@ -107,10 +110,11 @@ class StepGraphs:
         views = self._load(bucket, batch_size, inputs)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-            out = self.outputs[bucket]
+            outs = self.outputs[bucket]
         else:
-            out = self.step(views)
-        return out[:self.output_rows_per_request * batch_size]
+            outs = self.step(views)
+        rows = self.output_rows_per_request * batch_size
+        return tuple(out[:rows] for out in outs)
 
     def _load(self, bucket: int, batch_size: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         views = self.views(bucket)
@@ -118,7 +122,12 @@ class StepGraphs:
             view = views[name]
             real = spec.rows(batch_size) if batch_size else 0
             if real:
-                view[:real].copy_(inputs[name], non_blocking=True)
+                source = inputs[name]
+                if source.shape[1:] == view.shape[1:]:
+                    view[:real].copy_(source, non_blocking=True)
+                else:                        # narrower rows (a block table): the rest is padding
+                    view[:real].fill_(spec.pad)
+                    view[:real, :source.shape[1]].copy_(source, non_blocking=True)
             if callable(spec.pad):
                 spec.pad(view, real)
             elif real < view.shape[0]:

@@ -7,18 +7,30 @@ import torch
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.state_cache import HybridCacheManager
 
+from .decode_graphs import DecodeGraphs
 from .step_inputs import StepInputs
 
 
 class ModelRunner:
-    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager):
+    """decode_graphs: when given (CUDA, hybrid_engine/decode_graphs.py), pure decode and
+    verify steps of a captured batch size replay a graph; every other step runs eagerly."""
+
+    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
+        self.decode_graphs = decode_graphs
         model.pack_weights()        # CPU bf16/fp16: oneDNN's weight layout (models/linear.py)
+        if decode_graphs is not None:
+            with torch.inference_mode():
+                decode_graphs.capture()      # after packing: graphs hold the final weight tensors
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final-normed hidden [T, H] for the MTP drafter, float32 logits [rows, vocab]);
-        lm_head runs only on the rows that sample."""
+        lm_head runs only on the rows that sample. With graphs, both are views of the graph's
+        static outputs: consumed within the step."""
+        if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
+            return self.decode_graphs.run(inputs)
         hidden = self.model(inputs.input_ids, inputs.batch, self.cache)
         return hidden, self.model.compute_logits(hidden[inputs.batch.logits_indices]).float()

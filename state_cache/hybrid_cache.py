@@ -10,6 +10,10 @@ Two pools, sized once at start-up:
 A request is admitted only if both kinds fit. Every verb checks before it changes anything:
 a refused call (CacheCapacityError, ValueError, KeyError) leaves the manager as it was.
 
+One extra slot, `pad_slot`, belongs to no request: the padding rows of a CUDA-graph decode
+step (hybrid_engine/decode_graphs.py) read it and write nowhere, so a padded row can never
+race a real row for a state. It is part of the pools and of the byte budget.
+
 Slot contents are NOT zeroed on allocate: a new slot holds whatever its last owner left.
 The model must treat a request's first prefill chunk as having no initial state (the
 per-request has_initial_state flag) and overwrite the slot, never read it.
@@ -47,12 +51,13 @@ class HybridCacheManager:
             torch.zeros((num_blocks, *spec.kv_block_shape), dtype=spec.kv_dtype, device=device)
             for _ in range(spec.num_attention_layers)
         ]
+        # Row num_slots of every GDN pool is pad_slot, never handed out.
         self.conv_states = [
-            torch.zeros((num_slots, *spec.conv_slot_shape), dtype=spec.conv_dtype, device=device)
+            torch.zeros((num_slots + 1, *spec.conv_slot_shape), dtype=spec.conv_dtype, device=device)
             for _ in range(spec.num_gdn_layers)
         ]
         self.recurrent_states = [
-            torch.zeros((num_slots, *spec.recurrent_slot_shape), dtype=spec.state_dtype, device=device)
+            torch.zeros((num_slots + 1, *spec.recurrent_slot_shape), dtype=spec.state_dtype, device=device)
             for _ in range(spec.num_gdn_layers)
         ]
         self._blocks = BlockAllocator(num_blocks)
@@ -76,13 +81,13 @@ class HybridCacheManager:
                 f"got {max_num_seqs} and {draft_slots_per_seq}"
             )
         num_slots = max_num_seqs * (1 + draft_slots_per_seq)
-        slot_bytes = num_slots * spec.bytes_per_slot
+        slot_bytes = (num_slots + 1) * spec.bytes_per_slot            # + pad_slot
         num_blocks = max(cache_memory_bytes - slot_bytes, 0) // spec.bytes_per_block
         if num_blocks < max_num_seqs:
             needed = slot_bytes + max_num_seqs * spec.bytes_per_block
             raise ValueError(
                 f"cache budget of {cache_memory_bytes} bytes is too small: {num_slots} state slots "
-                f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}) take {slot_bytes} bytes and "
+                f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}, plus the pad slot) take {slot_bytes} bytes and "
                 f"one KV block per seq takes {max_num_seqs * spec.bytes_per_block} more; "
                 f"need at least {needed} bytes, or lower max_num_seqs / draft slots"
             )
@@ -96,6 +101,11 @@ class HybridCacheManager:
 
     @property
     def num_slots(self) -> int:
+        return self._slots.size
+
+    @property
+    def pad_slot(self) -> int:
+        """A state slot no request owns: padding rows read it (and write nowhere)."""
         return self._slots.size
 
     @property
@@ -217,6 +227,6 @@ class HybridCacheManager:
             "slots_free": self.num_free_slots,
             "kv_bytes_total": self.num_blocks * self.spec.bytes_per_block,
             "kv_bytes_used": used_blocks * self.spec.bytes_per_block,
-            "state_bytes_total": self.num_slots * self.spec.bytes_per_slot,
+            "state_bytes_total": (self.num_slots + 1) * self.spec.bytes_per_slot,   # + pad_slot
             "state_bytes_used": used_slots * self.spec.bytes_per_slot,
         }

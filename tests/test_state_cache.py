@@ -95,11 +95,11 @@ def test_tensors_have_the_documented_shapes_and_are_zero():
     for kv in m.kv_caches:
         assert kv.shape == (5, 2, BLOCK_SIZE, 2, 8) and kv.dtype == torch.bfloat16
     for conv in m.conv_states:
-        assert conv.shape == (3, 12, 3) and conv.dtype == torch.bfloat16
+        assert conv.shape == (4, 12, 3) and conv.dtype == torch.bfloat16      # 3 slots + pad_slot
     for state in m.recurrent_states:
-        assert state.shape == (3, 2, 4, 6) and state.dtype == torch.float32
+        assert state.shape == (4, 2, 4, 6) and state.dtype == torch.float32
     assert all(not t.any() for t in m.kv_caches + m.conv_states + m.recurrent_states)
-    assert tensor_bytes(m) == 5 * spec.bytes_per_block + 3 * spec.bytes_per_slot
+    assert tensor_bytes(m) == 5 * spec.bytes_per_block + 4 * spec.bytes_per_slot
     # one tensor per layer, not views of one another
     assert m.kv_caches[0].data_ptr() != m.kv_caches[1].data_ptr()
 
@@ -193,7 +193,7 @@ def test_usage_reports_both_kinds_in_bytes():
     assert (u["blocks_total"], u["blocks_used"], u["blocks_free"]) == (6, 2, 4)
     assert (u["slots_total"], u["slots_used"], u["slots_free"]) == (3, 2, 1)
     assert u["kv_bytes_total"] == 6 * spec.bytes_per_block and u["kv_bytes_used"] == 2 * spec.bytes_per_block
-    assert u["state_bytes_total"] == 3 * spec.bytes_per_slot and u["state_bytes_used"] == 2 * spec.bytes_per_slot
+    assert u["state_bytes_total"] == 4 * spec.bytes_per_slot and u["state_bytes_used"] == 2 * spec.bytes_per_slot
 
 
 # -- budget -------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_usage_reports_both_kinds_in_bytes():
 )
 def test_from_budget_fills_the_budget_exactly(budget, max_num_seqs, draft_slots, state_dtype):
     spec = tiny_spec(state_dtype=state_dtype)
-    slot_bytes = max_num_seqs * (1 + draft_slots) * spec.bytes_per_slot
+    slot_bytes = (max_num_seqs * (1 + draft_slots) + 1) * spec.bytes_per_slot     # + pad_slot
     if budget < slot_bytes + max_num_seqs * spec.bytes_per_block:
         with pytest.raises(ValueError, match="too small"):
             HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots)
@@ -222,7 +222,7 @@ def test_from_budget_fills_the_budget_exactly(budget, max_num_seqs, draft_slots,
 
 def test_from_budget_error_names_the_shortfall():
     spec = tiny_spec()
-    need = 4 * 2 * spec.bytes_per_slot + 4 * spec.bytes_per_block
+    need = (4 * 2 + 1) * spec.bytes_per_slot + 4 * spec.bytes_per_block
     with pytest.raises(ValueError, match=f"8 state slots.*need at least {need} bytes"):
         HybridCacheManager.from_budget(spec, need - 1, max_num_seqs=4, draft_slots_per_seq=1)
     assert HybridCacheManager.from_budget(spec, need, max_num_seqs=4, draft_slots_per_seq=1).num_blocks == 4
@@ -333,3 +333,12 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_pad_slot_is_never_handed_out():
+    m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=3)
+    assert m.pad_slot == 3 and m.conv_states[0].shape[0] == 4
+    held = [m.allocate("a", 1, num_draft_slots=1), m.allocate("b", 1)]
+    slots = {c.slot for c in held} | {s for c in held for s in c.draft_slots}
+    assert slots == {0, 1, 2} and m.num_free_slots == 0
+    assert not m.can_admit(1)

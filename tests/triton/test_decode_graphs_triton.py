@@ -1,0 +1,91 @@
+"""The CUDA-graph decode path on the triton backend: padded bucketed steps (captured on a GPU,
+run eagerly over the same buffers under the interpreter) give the torch backend's tokens,
+and a decode/verify step reads nothing back to the host, which capture requires."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams, kernels
+from hybrid_engine.decode_graphs import DecodeGraphs
+from hybrid_engine.kernels.triton import attention as triton_attention
+from hybrid_engine.kernels.triton import common as triton_common
+from hybrid_engine.model_runner import ModelRunner
+
+PROMPTS = [[5, 17, 3, 99, 250, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 7]]
+MAX_TOKENS = [5, 3, 4]                 # finishing at different steps: batches of 3, 2 and 1
+# aten ops that copy a device value to the host (or size an output by one)
+HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "unique", "_unique2",
+              "masked_select", "tolist"}
+
+
+def _engine(device, k, graphs):
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    engine = LLMEngine(EngineConfig(dtype="float32", device=device, block_size=4, max_num_seqs=4,
+                                    speculative_config=spec, enforce_eager=True))
+    if graphs:
+        engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
+            engine.model, engine.cache, [1, 1 + k], [2, 4], engine.builder.block_tables.shape[1], device,
+            capture=device == "cuda"))
+    return engine
+
+
+def _generate(engine):
+    for prompt, n in zip(PROMPTS, MAX_TOKENS):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    return [outs[str(i)] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp2"])
+def test_graph_path_on_triton_matches_torch(device, k):
+    with kernels.using_backend("torch"):
+        ref = _generate(_engine(device, k, graphs=False))
+    with kernels.using_backend("triton"):
+        engine = _engine(device, k, graphs=True)
+        runs = []
+        run = engine.runner.decode_graphs.run
+        engine.runner.decode_graphs.run = lambda inputs: runs.append(inputs.batch.num_decodes) or run(inputs)
+        out = _generate(engine)
+    assert out == ref
+    assert any(b in (1, 3) for b in runs), f"no padded step among batch sizes {runs}"
+    if device == "cuda":
+        assert sorted(engine.runner.decode_graphs.graphs[1].graphs) == [2, 4]
+
+
+class _HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_READS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, capture itself is the check")
+@pytest.mark.parametrize("k", [0, 2], ids=["decode", "verify"])
+def test_graphed_step_reads_nothing_back_to_the_host(device, k, monkeypatch):
+    # On a GPU the kernels' host-side precondition checks are off (they sync); do the same here.
+    monkeypatch.setattr(triton_common, "checks_enabled", lambda x: False)
+    monkeypatch.setattr(triton_attention, "checks_enabled", lambda x: False)
+    with kernels.using_backend("triton"):
+        engine = _engine(device, k, graphs=True)
+        graphs = engine.runner.decode_graphs.graphs[1 + k]
+        for prompt in PROMPTS:
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        engine.step()                                        # prefill (eager)
+        if k:
+            engine.step()                                    # a first verify fills the buffers
+        views = graphs._load(4, 0, {})                       # what capture runs on: all padding
+        with torch.inference_mode(), _HostReads() as reads:
+            graphs.step(views)
+    assert reads.ops == [], f"host reads in a graphed step: {reads.ops}"
