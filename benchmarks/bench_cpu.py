@@ -17,7 +17,10 @@ Per engine, medians of --runs:
   first; transformers: generate(N+1 tokens) - generate(1 token));
 - the share of a decode step spent outside the model forward (ours: engine.step minus
   runner.forward; transformers: generate minus model.forward);
-- peak RSS of the child process.
+- peak RSS of the child process;
+- where the model has an MTP head (the tiny default model), `hybrid-engine bench` in its own
+  child: batch-1 greedy decode with k = 1, 2, 3 drafts against k = 0 on the built-in code
+  prompts (random-weight checkpoints have no MTP head), wall-clock speedup per k.
 And the batch-1 roofline: bytes of weights and state read per decode step divided by the read
 bandwidth measured here (best of several multi-threaded reads of a 2 GiB tensor).
 
@@ -147,6 +150,8 @@ def run_child(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     if job["engine"] == "probe":
         return bandwidth_probe()
+    if job["engine"] == "mtp":
+        return mtp_bench(job)
     vocab = job["vocab"]
     t0 = time.perf_counter()
     if job["engine"] == "ours":
@@ -263,13 +268,30 @@ def cpu_name() -> str:
     return platform.machine()
 
 
+def mtp_bench(job: dict) -> dict:
+    """`hybrid-engine bench` (k = 0..3, batch 1, greedy, medians of --runs) in this process."""
+    import tempfile
+
+    from hybrid_engine.cli import main as cli_main
+    out = Path(tempfile.mkdtemp()) / "mtp.json"
+    argv = ["bench", "--model", job["folder"], "--dtype", job["dtype"], "--max-k", "3",
+            "--repeats", str(job["runs"]), "--json", str(out)]
+    if cli_main(argv) != 0:
+        raise RuntimeError(f"hybrid-engine {' '.join(argv)} failed")
+    report = json.loads(out.read_text())
+    return {"by_k": {r["k"]: {"speedup": r["speedup"], "tok_s": r["output_tokens_per_s"],
+                              "mean_accept_length": r["mean_accept_length"],
+                              "greedy_identical": r["greedy_identical"]} for r in report["results"]},
+            "best_k": report["best_k"], "best_speedup": report["best_speedup"]}
+
+
 def fmt_row(cells, widths):
     return " | ".join(str(c).rjust(w) for c, w in zip(cells, widths))
 
 
 def print_table(results: list[dict], batches: list[int], bandwidth: dict, threads: int) -> None:
     head = ["model", "dtype", "engine", "prefill512 t/s"] + [f"b{b} t/s" for b in batches] + \
-           [f"out b{b}" for b in batches if b in (1, 16)] + ["roofline", "peak RSS GB", "load"]
+           [f"out b{b}" for b in batches if b in (1, 16)] + ["roofline", "peak RSS GB", "MTP k1/k2/k3", "load"]
     widths = [max(len(h), 6) for h in head]
     print(f"\nthreads {threads} (OMP_WAIT_POLICY {results[0]['omp_wait_policy'] if results else '-'}); read bandwidth {bandwidth['gb_s']:.1f} GB/s "
           f"(best probe of {', '.join(f'{k} {v:.1f}' for k, v in bandwidth['by_probe_gb_s'].items())})")
@@ -290,8 +312,10 @@ def print_table(results: list[dict], batches: list[int], bandwidth: dict, thread
         cells += ["-" if ref or f"decode_b{b}" not in r else f"{100 * r[f'decode_b{b}']['outside_share']:.1f}%"
                   for b in batches if b in (1, 16)]
         roof = r.get("roofline_fraction")
+        mtp = r.get("mtp", {}).get("by_k")
         cells += ["-" if ref or roof is None else f"{100 * roof:.0f}%",
                   "-" if ref else f"{r['peak_rss_gb']:.2f}",
+                  "-" if ref or not mtp else "/".join(f"{mtp[str(k)]['speedup']:.2f}" for k in (1, 2, 3)) + "x",
                   "-" if ref else f"{r['load_before']:.1f}"]
         return fmt_row(cells, widths)
 
@@ -343,6 +367,9 @@ def main() -> None:
                 r = spawn(job)
                 r.update(engine=engine, model=name, dtype=dtype, new_tokens=new_tokens, omp_wait_policy=args.omp_wait_policy,
                          bytes_per_step=step_bytes)
+                if engine == "ours" and name == "tiny":
+                    print(f"running hybrid-engine bench (MTP k=1..3) {name} {dtype} ...", flush=True)
+                    r["mtp"] = spawn(dict(job, engine="mtp"))
                 if "decode_b1" in r:
                     roofline_ms = 1e3 * step_bytes["total"] / (bandwidth["gb_s"] * 1e9)
                     r["roofline_step_ms"] = roofline_ms
