@@ -8,14 +8,16 @@ import time
 
 import torch
 
+from hybrid_engine import kernels
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, HybridCacheManager
 
 from .config import EngineConfig
+from .decode_graphs import DecodeGraphs, default_buckets, graphs_supported
 from .model_runner import ModelRunner
-from .outputs import RequestOutput
+from .outputs import Prefix, RequestOutput
 from .request import Request, RequestStatus
-from .sampler import Sampler, SamplingRow
+from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import StepInputBuilder
@@ -79,6 +81,7 @@ class LLMEngine:
             per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)
             budget = config.max_num_seqs * ((1 + k) * spec.bytes_per_slot
                                             + per_seq_blocks * spec.bytes_per_block)
+            budget += spec.bytes_per_slot                      # the cache's pad_slot
         # Draft slots are part of the budget: each request holds 1 + k state slots.
         self.cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs, k, device=config.device)
         # A request can never hold more tokens than the whole KV pool, including the 2k
@@ -87,10 +90,10 @@ class LLMEngine:
         if self.max_model_len < 2:
             raise ValueError("cache_memory_bytes leaves room for fewer than 2 tokens per request")
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, k)
+        max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
-                                        math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1,
-                                        config.block_size, k, config.device)
-        self.runner = ModelRunner(self.model, self.cache)
+                                        max_blocks_per_seq, config.block_size, k, config.device)
+        self.runner = ModelRunner(self.model, self.cache, self._decode_graphs(max_blocks_per_seq))
         self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.sampler = Sampler()
@@ -101,6 +104,20 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+    def _decode_graphs(self, max_blocks_per_seq: int) -> DecodeGraphs | None:
+        """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:
+        graphs need CUDA tensors, the triton backend (the torch ops read lengths back to the
+        host) and a dense model (MoE routing reads expert counts back)."""
+        cfg = self.config
+        if cfg.enforce_eager or torch.device(cfg.device).type != "cuda" or not graphs_supported(self.model):
+            return None
+        if kernels.get_backend() == "torch" or not kernels.dispatch.triton_available():
+            return None
+        buckets = cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs)
+        k = self.num_speculative_tokens
+        return DecodeGraphs(self.model, self.cache, [1, 1 + k] if k else [1], buckets,
+                            max_blocks_per_seq, cfg.device, capture=True)
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -211,23 +228,26 @@ class LLMEngine:
 
     def _sample(self, inputs, logits: torch.Tensor) -> dict[int, tuple[list[int], list]]:
         """Tokens emitted per sampling segment: one for a prefill or plain decode, 1..k+1 for a
-        verify. Every row of every segment is sampled in one sampler call; greedy verifies
-        without penalties or logprobs skip the sampler (one argmax)."""
-        result, rows, spans = {}, [], []
-        for seg, first, n in inputs.sample_spans:
+        verify. Greedy segments without penalties, logprobs or banned tokens skip the sampler
+        (one argmax over all of their rows); every other row is sampled in one sampler call."""
+        result, greedy, sampled, rows = {}, [], [], []
+        for span in inputs.sample_spans:
+            seg, _, n = span
             req = seg.request
-            if n > 1 and self._is_plain_greedy(req):
-                result[id(seg)] = (accept_greedy(logits[first:first + n].argmax(dim=-1).tolist(),
-                                                 req.draft_token_ids), [None] * n)
+            if self._is_plain_greedy(req):
+                greedy.append(span)
             else:
                 drafts = req.draft_token_ids
                 rows.extend(self._sampling_row(req, drafts[:j]) for j in range(n))
-                spans.append((seg, first, n))
-        if spans:
-            index = torch.cat([torch.arange(first, first + n) for _, first, n in spans])
-            out = self.sampler(logits[index], rows)
-            at = 0
-            for seg, _, n in spans:
+                sampled.append(span)
+        if greedy:
+            targets, at = greedy_tokens(_logits_rows(logits, greedy)).tolist(), 0
+            for seg, _, n in greedy:
+                result[id(seg)] = (accept_greedy(targets[at:at + n], seg.request.draft_token_ids), [None] * n)
+                at += n
+        if sampled:
+            out, at = self.sampler(_logits_rows(logits, sampled), rows), 0
+            for seg, _, n in sampled:
                 toks, lps = out.token_ids[at:at + n], out.logprobs[at:at + n]
                 m = accept_sampled(toks, seg.request.draft_token_ids) if n > 1 else 1
                 result[id(seg)] = (toks[:m], lps[:m])
@@ -242,8 +262,7 @@ class LLMEngine:
     @staticmethod
     def _is_plain_greedy(req: Request) -> bool:
         p = req.params
-        return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
-                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        return (p.is_greedy and p.logprobs is None and not _has_penalties(p)
                 and len(req.output_token_ids) >= p.min_tokens)
 
     def _commit_verified(self, seg, accepted: int) -> None:
@@ -261,14 +280,18 @@ class LLMEngine:
         # Keep KV blocks for the committed tokens plus the k-1 positions drafting writes.
         if seg.samples:
             self.cache.truncate(req.request_id, req.num_computed_tokens + self.scheduler.lookahead)
-        return CatchUp(req.request_id, seg.start, req.all_token_ids[seg.start + 1:seg.start + n + 1],
+        return CatchUp(req.request_id, seg.start, req.token_ids_in(seg.start + 1, seg.start + n + 1),
                        hidden[seg.first_row:seg.first_row + n], draft=seg.samples)
 
     def _sampling_row(self, req: Request, extra: list[int] = ()) -> SamplingRow:
-        """`extra`: tokens accepted earlier in the same verify, not yet appended."""
-        output = req.output_token_ids + list(extra) if extra else req.output_token_ids
+        """`extra`: tokens accepted earlier in the same verify, not yet appended. Only penalties
+        read the row's output tokens, so only for them is the history copied with `extra`
+        (O(tokens so far) per row)."""
+        output = req.output_token_ids
+        if extra and _has_penalties(req.params):
+            output = output + list(extra)
         banned = []
-        if len(output) < req.params.min_tokens:
+        if len(req.output_token_ids) + len(extra) < req.params.min_tokens:
             banned = list(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
                 banned += req.eos_token_ids
@@ -325,10 +348,12 @@ class LLMEngine:
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         m = req.metrics
+        logprobs = req.output_logprobs if req.params.logprobs is not None else None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=req.text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            text=req.text, token_ids=Prefix(req.output_token_ids, len(req.output_token_ids)),
+            finish_reason=req.finish_reason,
+            logprobs=None if logprobs is None else Prefix(logprobs, len(logprobs)),
             finished=req.finish_reason is not None, stop_reason=req.stop_reason,
             metrics={"time_to_first_token": m.time_to_first_token,
                      "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
@@ -336,3 +361,16 @@ class LLMEngine:
                      "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
             new_token_ids=new_ids, new_text=new_text,
         )
+
+
+def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:
+    """The rows of (segment, first row, rows) spans, in order; `logits` itself (no gather) when
+    they are all of its rows, as sample_spans are sorted and disjoint."""
+    index = [row for _, first, n in spans for row in range(first, first + n)]
+    if len(index) == logits.shape[0]:
+        return logits
+    return logits[torch.tensor(index, device=logits.device)]
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -3,6 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Prefix(NamedTuple):
+    """The first `length` items of a list that is only ever appended to (a request's outputs)."""
+
+    items: list
+    length: int
+
+
+class _Cumulative:
+    """A list field that may also be set to a Prefix, copied into a list on first read: the
+    engine hands out every step's output for O(new tokens), not O(tokens so far), and an
+    output keeps the prefix it was made with however the request grows afterwards."""
+
+    def __set_name__(self, owner, name):
+        self.attr = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:   # no class-level default: the dataclass field stays required
+            raise AttributeError(self.attr)
+        value = obj.__dict__[self.attr]
+        if isinstance(value, Prefix):
+            value = obj.__dict__[self.attr] = value.items[:value.length]
+        return value
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.attr] = value
 
 
 @dataclass
@@ -11,9 +39,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
+    token_ids: list[int] = _Cumulative()
     finish_reason: str | None          # "stop" | "length" | "abort" | None while running
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, float]] | None = _Cumulative()
     finished: bool
     stop_reason: str | int | None = None
     metrics: dict = field(default_factory=dict)   # time_to_first_token, time_per_output_token, ...

@@ -7,7 +7,7 @@ the raw logits, before any of that (vLLM's default).
 The pieces (`apply_penalties`, `mask_banned_tokens`, `processed_probs`,
 `Sampler.sample_from_probs`) work on any [N, V] block with one SamplingRow per row, so
 the speculative verifier can flatten [B, T, V] to [B*T, V] with one row per position
-(its output_token_ids extended by the drafts before that position).
+(its output_token_ids extended by the drafts before that position where a penalty reads them).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Sampler:
         else:
             for row_uniform, g in zip(uniform, generators):
                 row_uniform.uniform_(generator=g if g is not None else default)
-        return (probs / uniform.log_().neg_()).argmax(dim=-1)
+        return greedy_tokens(probs / uniform.log_().neg_())
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._default_generators:

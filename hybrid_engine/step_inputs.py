@@ -8,10 +8,16 @@ Segments are packed prefills first, then decodes. A decode is one token, or with
 speculation 1 + k tokens: [last token, d1..dk]; its GDN state after position j is written
 to write slot j = [committed slot, draft slot 1..k][j], so the committed state is only
 replaced by choosing a slot after verification.
+
+Steady state: when a step decodes exactly the requests of the last step, in the same order,
+one token each (plain decode), only what changed is written: the new tokens, positions,
+lengths and KV slots moved up by one in place, and a block-table entry for a request that
+entered a new block. Anything else is packed from scratch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +64,13 @@ class StepInputBuilder:
         self.has_initial_state = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
         self.state_write_slots = torch.zeros(max_num_seqs, 1 + self.k, **i64)
         self.logits_indices = torch.zeros(max_num_tokens, **i64)
+        self._last_decode: StepInputs | None = None   # the last step, if it was plain decode only
 
     def build(self, sched: ScheduledBatch, cache: HybridCacheManager) -> StepInputs:
+        if not sched.prefills and self._last_decode is not None:
+            inputs = self._advance_decodes(sched.decodes, cache)
+            if inputs is not None:
+                return inputs
         segments: list[Segment] = []
         row = 0
         for req, n in sched.prefills:
@@ -70,27 +81,68 @@ class StepInputBuilder:
             n = 1 + len(req.draft_token_ids)
             segments.append(Segment(req, req.num_computed_tokens, n, row, True, True))
             row += n
-        return self._pack(segments, len(sched.prefills), cache)
+        inputs = self._pack(segments, len(sched.prefills), cache)
+        plain_decode = not sched.prefills and inputs.batch.decode_len == 1
+        self._last_decode = inputs if plain_decode else None
+        return inputs
+
+    def _advance_decodes(self, decodes: list[Request], cache: HybridCacheManager) -> StepInputs | None:
+        """The steady state (module docstring), or None when the batch is not the last one moved
+        on by one token. cu_seqlens, state slots, write slots and logits rows stay as they are:
+        without drafts a running request never changes its state slot or its earlier blocks."""
+        last = self._last_decode
+        if len(decodes) != len(last.segments):
+            return None
+        bs = self.block_size
+        segments, ids, new_blocks = [], [], []
+        for row, (req, prev) in enumerate(zip(decodes, last.segments)):
+            start = req.num_computed_tokens
+            if req is not prev.request or start != prev.start + 1 or req.draft_token_ids:
+                return None
+            ids.extend(req.token_ids_in(start, start + 1))
+            if start % bs == 0:
+                new_blocks.append((row, start // bs, cache.get(req.request_id).block_table[start // bs]))
+            segments.append(Segment(req, start, 1, row, True, True))
+        n, batch = len(segments), last.batch      # its views read the buffers changed below
+        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64))
+        batch.positions.add_(1)
+        batch.seq_lens.add_(1)
+        batch.slot_mapping.add_(1)
+        if new_blocks:
+            old_width = batch.block_tables.shape[1]
+            width = max(col for _, col, _ in new_blocks) + 1
+            if width > old_width:
+                batch = dataclasses.replace(batch, block_tables=self.block_tables[:n, :width])
+                batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
+            for row, col, block in new_blocks:
+                batch.block_tables[row, col] = block
+                self.slot_mapping[row] = block * bs
+        inputs = StepInputs(self.input_ids[:n], batch, segments, [(seg, seg.first_row, 1) for seg in segments])
+        self._last_decode = inputs
+        return inputs
 
     def _pack(self, segments: list[Segment], num_prefills: int, cache: HybridCacheManager) -> StepInputs:
+        # Plain lists per buffer, then one tensor and one in-place copy each: per-token and
+        # per-segment torch calls cost more than the forward of a small model.
         bs = self.block_size
-        ids, positions, slots, cu, seq_lens, state_slots, has_init, tables = [], [], [], [0], [], [], [], []
-        logits_rows, spans, write_rows = [], [], []
+        decode_len = segments[-1].num_tokens if len(segments) > num_prefills else 1
+        ids, positions, slots, cu, seq_lens, state_slots, has_init = [], [], [], [0], [], [], []
+        tables, write_slots, logits_rows, spans = [], [], [], []
         for seg in segments:
             req, start, n = seg.request, seg.start, seg.num_tokens
+            end = start + n
             rc = cache.get(req.request_id)
+            ids.extend(req.token_ids_in(start, start + 1 if seg.is_decode else end))
             if seg.is_decode:
-                ids.append(req.all_token_ids[start])
+                if n != decode_len:
+                    raise RuntimeError("decode segments of one step must all have the same length")
                 ids.extend(req.draft_token_ids)
-                write_rows.append([rc.slot] + rc.draft_slots[:n - 1])
-            else:
-                ids.extend(req.all_token_ids[start:start + n])
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(rc.block_table, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+                write_slots.append(rc.slot)
+                write_slots.extend(rc.draft_slots[:n - 1])
+            positions.extend(range(start, end))
+            slots.extend(kv_slots(rc.block_table, start, end, bs))
             cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
+            seq_lens.append(end)
             state_slots.append(rc.slot)
             has_init.append(start > 0)     # per request: GDN state exists iff it cached tokens
             tables.append(rc.block_table)
@@ -100,31 +152,40 @@ class StepInputBuilder:
                 spans.append((seg, len(logits_rows), n if seg.is_decode else 1))
                 logits_rows.extend(range(first, seg.first_row + n))
         t, n_seq, n_dec = len(ids), len(segments), len(segments) - num_prefills
-        self.input_ids[:t].copy_(torch.tensor(ids, dtype=torch.int64))
-        self.positions[:t].copy_(torch.cat(positions))
-        self.slot_mapping[:t].copy_(torch.cat(slots))
-        self.cu_seqlens[:n_seq + 1].copy_(torch.tensor(cu))
-        self.seq_lens[:n_seq].copy_(torch.tensor(seq_lens))
-        self.state_slots[:n_seq].copy_(torch.tensor(state_slots))
-        self.has_initial_state[:n_seq].copy_(torch.tensor(has_init))
         max_blocks = max(len(tb) for tb in tables)
+        padded_tables = []
+        for tb in tables:
+            padded_tables.extend(tb)
+            padded_tables.extend([0] * (max_blocks - len(tb)))
+        i64 = torch.int64
+        self.input_ids[:t].copy_(torch.tensor(ids, dtype=i64))
+        self.positions[:t].copy_(torch.tensor(positions, dtype=i64))
+        self.slot_mapping[:t].copy_(torch.tensor(slots, dtype=i64))
+        self.cu_seqlens[:n_seq + 1].copy_(torch.tensor(cu, dtype=i64))
+        self.seq_lens[:n_seq].copy_(torch.tensor(seq_lens, dtype=i64))
+        self.state_slots[:n_seq].copy_(torch.tensor(state_slots, dtype=i64))
+        self.has_initial_state[:n_seq].copy_(torch.tensor(has_init, dtype=torch.bool))
         bt = self.block_tables[:n_seq, :max_blocks]
-        bt.zero_()
-        for i, tb in enumerate(tables):
-            bt[i, :len(tb)] = torch.tensor(tb)
-        decode_len = segments[-1].num_tokens if n_dec else 1
-        if any(len(w) != decode_len for w in write_rows):
-            raise RuntimeError("decode segments of one step must all have the same length")
+        bt.copy_(torch.tensor(padded_tables, dtype=i64).view(n_seq, max_blocks))
         wr = self.state_write_slots[:n_dec, :decode_len]
         if n_dec:
-            wr.copy_(torch.tensor(write_rows))
-        self.logits_indices[:len(logits_rows)].copy_(torch.tensor(logits_rows, dtype=torch.int64))
+            wr.copy_(torch.tensor(write_slots, dtype=i64).view(n_dec, decode_len))
+        self.logits_indices[:len(logits_rows)].copy_(torch.tensor(logits_rows, dtype=i64))
         batch = ForwardBatch(
             positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],
             seq_lens=self.seq_lens[:n_seq], slot_mapping=self.slot_mapping[:t], block_tables=bt,
             state_slots=self.state_slots[:n_seq], has_initial_state=self.has_initial_state[:n_seq],
             state_write_slots=wr, logits_indices=self.logits_indices[:len(logits_rows)],
-            num_prefills=num_prefills, num_prefill_tokens=sum(s.num_tokens for s in segments[:num_prefills]),
-            decode_len=decode_len,
+            num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_len=decode_len,
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
+
+
+def kv_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat KV slots (block * block_size + offset) of positions start..end-1: one range per block."""
+    slots = []
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
+        base = block_table[b] * block_size - b * block_size
+        slots.extend(range(base + lo, base + hi))
+    return slots

@@ -1,0 +1,135 @@
+"""Per-step bookkeeping: the steady-state decode inputs equal a fresh pack, outputs handed out
+earlier never change, and token and KV-slot slices match the per-token definitions."""
+
+import random
+
+import pytest
+import torch
+
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.request import Request
+from hybrid_engine.step_inputs import StepInputBuilder, kv_slots
+
+from checkpoints import make_hf_model, save_checkpoint
+
+BATCH_TENSORS = ("positions", "cu_seqlens", "seq_lens", "slot_mapping", "block_tables", "state_slots",
+                 "has_initial_state", "state_write_slots", "logits_indices")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dense")
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder)
+    return str(folder)
+
+
+def _engine(ckpt, **kw):
+    return LLMEngine(EngineConfig(model=ckpt, dtype="float32", block_size=4, max_num_seqs=6,
+                                  max_num_batched_tokens=64, **kw))
+
+
+def _assert_same_inputs(got, want):
+    assert torch.equal(got.input_ids, want.input_ids)
+    for name in BATCH_TENSORS:
+        a, b = getattr(got.batch, name), getattr(want.batch, name)
+        assert a.shape == b.shape and torch.equal(a, b), name
+    for name in ("num_prefills", "num_prefill_tokens", "decode_len"):
+        assert getattr(got.batch, name) == getattr(want.batch, name), name
+    fields = lambda s: (s.request, s.start, s.num_tokens, s.first_row, s.is_decode, s.samples)
+    assert [fields(s) for s in got.segments] == [fields(s) for s in want.segments]
+    assert [(fields(s), first, n) for s, first, n in got.sample_spans] == \
+           [(fields(s), first, n) for s, first, n in want.sample_spans]
+
+
+def _check_every_build(engine) -> list[int]:
+    """Makes every build compare its inputs with a pack from scratch into fresh buffers;
+    -> a counter of steps that took the steady-state path."""
+    b = engine.builder
+    fresh = StepInputBuilder(b.input_ids.numel(), b.seq_lens.numel(), b.block_tables.shape[1], b.block_size)
+    build, num_steady = b.build, [0]
+
+    def checked_build(sched, cache):
+        steady = not sched.prefills and b._last_decode is not None
+        inputs = build(sched, cache)
+        num_steady[0] += steady and b._last_decode is inputs and inputs.batch.num_decodes > 0
+        _assert_same_inputs(inputs, fresh._pack(inputs.segments, inputs.batch.num_prefills, cache))
+        return inputs
+
+    b.build = checked_build
+    return num_steady
+
+
+def test_steady_state_decode_inputs_equal_a_fresh_pack(ckpt):
+    """Arrivals, finishes at different lengths, an abort and block boundaries every 4 tokens."""
+    engine = _engine(ckpt)
+    num_steady = _check_every_build(engine)
+    rng = random.Random(0)
+    arrivals = {0: 3, 1: 1, 9: 2, 30: 1}
+    step, done = 0, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in range(arrivals.get(step, 0)):
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 13))]
+            max_tokens = 40 if step == i == 0 else rng.randint(5, 30)
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                               request_id=f"{step}.{i}")
+        if step == 20:
+            assert engine.abort_request("0.0") is not None      # still running: a batch change
+        done += sum(o.finished for o in engine.step())
+        step += 1
+    assert done == 6 and num_steady[0] > 20
+
+
+def test_steady_state_widening_clears_stale_block_table_columns(ckpt):
+    """A (row 1, 6 blocks) finishes; C takes row 1 and B, in row 0, then enters its third block
+    in place: row 1's third column must read 0, not A's block."""
+    engine = _engine(ckpt)
+    num_steady = _check_every_build(engine)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(6)), SamplingParams(max_tokens=8, **greedy), request_id="B")
+    engine.add_request(list(range(20)), SamplingParams(max_tokens=2, **greedy), request_id="A")
+    engine.add_request([1], SamplingParams(max_tokens=8, **greedy), request_id="C")
+    widths = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        widths.append(engine.builder._last_decode.batch.block_tables.shape[1]
+                      if engine.builder._last_decode is not None else None)
+    assert widths[2:4] == [2, 3] and num_steady[0] > 0
+
+
+def test_earlier_outputs_do_not_change(ckpt):
+    engine = _engine(ckpt)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=9, logprobs=2, ignore_eos=True)
+    rid = engine.add_request([1, 2, 3], params)
+    outs, seen, read_early = [], [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.append(o)
+            seen.append(seen[-1] + o.new_token_ids if seen else list(o.new_token_ids))
+            if len(outs) == 3:
+                read_early = (list(o.token_ids), list(o.logprobs))   # read before later steps
+    assert [len(o.token_ids) for o in outs] == list(range(1, 10))
+    assert [o.token_ids for o in outs] == seen
+    assert [len(o.logprobs) for o in outs] == list(range(1, 10))
+    final = outs[-1]
+    assert final.finished and final.request_id == rid
+    for o in outs:
+        n = len(o.token_ids)
+        assert o.logprobs == final.logprobs[:n]
+        assert all(t in lp for t, lp in zip(o.token_ids, o.logprobs))
+    assert read_early == (outs[2].token_ids, outs[2].logprobs) == (final.token_ids[:3], final.logprobs[:3])
+
+
+def test_token_ids_in_slices_prompt_then_output():
+    req = Request("r", None, [5, 6, 7], SamplingParams(), [])
+    req.output_token_ids += [8, 9]
+    full = [5, 6, 7, 8, 9]
+    for start in range(len(full) + 1):
+        for end in range(start, len(full) + 1):
+            assert req.token_ids_in(start, end) == full[start:end]
+
+
+def test_kv_slots_follow_the_block_table():
+    table, bs = [7, 2, 9], 4
+    for start in range(12):
+        for end in range(start + 1, 13):
+            assert kv_slots(table, start, end, bs) == [table[p // bs] * bs + p % bs for p in range(start, end)]
