@@ -21,17 +21,39 @@ def load_tokenizer(folder: str | Path):
 
 
 class IncrementalDetokenizer:
-    """Decodes a growing token list; holds back text that ends in an incomplete UTF-8 sequence."""
+    """Decodes a growing token list in O(1) per token; holds back text that ends in an
+    incomplete UTF-8 sequence.
+
+    Decoding the whole output every token is O(L) per token (O(L^2) per request). Instead
+    only a window is decoded: the tokens from `prefix_offset` on, whose text up to
+    `read_offset` was already emitted. Decoding the window with a few tokens of left context
+    lets byte-level BPE and sentencepiece join the new tokens to the old ones as a full
+    decode would (a leading space, a multi-byte character split over tokens).
+    """
+
+    # Left context kept when the window starts; TGI and vLLM use 5.
+    CONTEXT = 5
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.text = ""
+        self.prefix_offset = 0      # window start
+        self.read_offset = 0        # tokens before this are in self.text
 
     def update(self, token_ids: list[int]) -> str:
-        """-> the text added since the last call."""
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):       # a multi-byte character is split across tokens
-            return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
+        """token_ids: all output tokens so far (the list only grows). -> the text added since
+        the last call."""
+        window = token_ids[self.prefix_offset:]
+        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(window)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""               # a multi-byte character is still split across tokens
+        delta = full[len(prefix):]
+        self.text += delta
+        # The next window keeps a little left context before the first unread token.
+        self.read_offset = len(token_ids)
+        self.prefix_offset = max(self.read_offset - self.CONTEXT, 0)
         return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
