@@ -13,9 +13,15 @@ and on a prefix of the sorted state batch: no gathers inside the scan.
 
 from __future__ import annotations
 
-import torch
+import math
 
-from .qk_norm import normalize_qk
+import torch
+import torch.nn.functional as F
+
+# Decays at or below e^-30 (1e-13, far under float32 resolution) are set to exactly 0: products
+# of such tiny factors land in float32's subnormal range, where every multiply-add is a slow
+# microcode assist on x86 CPUs. With strong-decay heads that made the whole op 2-4x slower.
+LOG_DECAY_CUTOFF = -30.0
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -33,45 +39,82 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Returns o: [T, Hv, dv] in v.dtype and final_state: [N, Hv, dk, dv] float32.
     """
     T, Hv, dv = v.shape
-    C = chunk_size
+    Hk, dk = k.shape[-2:]
     out_dtype = v.dtype
-    q, k = normalize_qk(q, k, Hv, scale, use_qk_l2norm)
-    layout = _ChunkLayout(cu_seqlens, C)
+    layout = _ChunkLayout(cu_seqlens, chunk_size)
     if layout.num_chunks == 0:                                          # only empty sequences
         return v.new_empty(0, Hv, dv), initial_state.float().clone()
+    # Every [chunks, H, C, ...] buffer below is float32 and this function's own, so the work is
+    # done in place wherever it can be: each new large tensor costs a pass of page faults.
+    # Heads are a batch dimension of every matmul.
 
-    # [chunks, Hv, C, d]: heads are a batch dimension of every matmul below
-    q, k, v = (layout.pack(x).transpose(1, 2).contiguous() for x in (q, k, v.float()))
-    g, beta = (layout.pack(x).transpose(1, 2).contiguous() for x in (g.float(), beta.float()))
+    qk = torch.zeros(layout.num_chunks, Hk, 2, chunk_size, dk, device=k.device)  # [q; k] side by side
+    layout.pack(q, into=qk[:, :, 0])
+    layout.pack(k, into=qk[:, :, 1])
+    _normalize_qk_(qk, dk ** -0.5 if scale is None else scale, use_qk_l2norm)
+    if Hv > Hk:                                         # value head h reads key head h // groups
+        qk = qk.repeat_interleave(Hv // Hk, dim=1)
+    q, k = qk.unbind(2)
+    g, beta = layout.pack(g), layout.pack(beta)                         # [chunks, Hv, C]
 
     # Intra-chunk part, batched over every chunk of every sequence.
-    g_cum = g.cumsum(-1)                                               # log decay from chunk start
-    seg = _segment_sum(g)
-    pair_decay = seg.exp()                                             # decay from token j to i >= j
-    k_beta = k * beta[..., None]
-    ut_system = (k_beta @ k.transpose(-1, -2)) * pair_decay             # strictly lower part used
-    # UT transform: (I + strictly_lower(ut_system)) X = rhs
-    u = torch.linalg.solve_triangular(ut_system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut_system, k_beta * g_cum.exp()[..., None], upper=False,
-                                      unitriangular=True)
-    intra_attn = (q @ k.transpose(-1, -2)) * pair_decay
-    q_decayed = q * g_cum.exp()[..., None]                              # reads the chunk's start state
-    k_decayed = k * seg[..., -1, :].exp()[..., None]                    # written at the chunk's end
-    chunk_decay = g_cum[..., -1].exp()[..., None, None]
+    start_decay = _flushed_exp_(g.cumsum(-1))                           # decay from the chunk's start
+    pair_decay = _flushed_exp_(_segment_sum(g))                        # decay from token j to i >= j
+    # [q; k] k^T in one matmul: rows 0 become the causal attention inside the chunk, rows 1 the
+    # UT system L = strictly_lower((k beta) k^T * pair_decay).
+    scores = (qk.flatten(2, 3) @ k.transpose(-1, -2)).unflatten(2, (2, -1))
+    intra_attn, ut_system = scores.unbind(2)
+    ut_system.mul_(beta[..., None])
+    # UT transform: u = (I + L)^-1 (v beta), w = (I + L)^-1 (k beta start_decay). With
+    # L = D L0 D^-1 (D = diag(start_decay), L0 the system before decay), w = D (I + L0)^-1 (k beta):
+    # solved before decay, so w is exactly 0 where start_decay is, instead of a cascade of
+    # ever smaller (subnormal) values out of the decayed solve.
+    w = torch.mul(k, beta[..., None])
+    torch.linalg.solve_triangular(ut_system, w, upper=False, unitriangular=True, out=w)
+    w.mul_(start_decay[..., None])
+    scores.mul_(pair_decay[:, :, None])
+    u = layout.pack(v).mul_(beta[..., None])
+    torch.linalg.solve_triangular(ut_system, u, upper=False, unitriangular=True, out=u)
+    q_decayed = q.mul_(start_decay[..., None])                          # reads the chunk's start state
+    k_decayed = k.mul_(pair_decay[..., -1, :, None])                    # written at the chunk's end
+    chunk_decay = start_decay[..., -1, None, None]
 
     # Inter-chunk scan: step i updates the states of the sequences that have an i-th chunk.
-    state = initial_state.float()[layout.order].clone()
-    out = torch.empty_like(u)
+    # Chunks and heads merge into the batch dimension of 3-D (b)bmm's (views, no copies), and a
+    # chunk's output overwrites its u once v_new has read it.
+    state = initial_state.float()[layout.order]                         # a copy: indexed
+    out = u
     for start, active in layout.steps:
         chunks = slice(start, start + active)
-        s = state[:active]
-        v_new = u[chunks] - w[chunks] @ s
-        out[chunks] = q_decayed[chunks] @ s + intra_attn[chunks] @ v_new
-        state[:active] = s * chunk_decay[chunks] + k_decayed[chunks].transpose(-1, -2) @ v_new
+        s = state[:active].flatten(0, 1)
+        v_new = torch.baddbmm(u[chunks].flatten(0, 1), w[chunks].flatten(0, 1), s, alpha=-1)
+        o = out[chunks].flatten(0, 1)
+        torch.bmm(q_decayed[chunks].flatten(0, 1), s, out=o)
+        o.baddbmm_(intra_attn[chunks].flatten(0, 1), v_new)
+        s.mul_(chunk_decay[chunks].flatten(0, 1))
+        s.baddbmm_(k_decayed[chunks].flatten(0, 1).transpose(-1, -2), v_new)
 
     final_state = torch.empty_like(state)
     final_state[layout.order] = state
-    return layout.unpack(out.transpose(1, 2)).to(out_dtype), final_state
+    return layout.unpack(out).to(out_dtype), final_state
+
+
+def _normalize_qk_(qk: torch.Tensor, scale: float, use_qk_l2norm: bool) -> None:
+    """In place on [..., 2, C, d] = [q; k]: optionally each row / sqrt(sum of squares + 1e-6)
+    (eps as fla and transformers put it), then q *= scale (folded into q's row factors)."""
+    if use_qk_l2norm:
+        factors = qk.square().sum(-1, keepdim=True).add_(1e-6).rsqrt_()
+        factors[..., 0, :, :] *= scale
+        qk.mul_(factors)
+    else:
+        qk[..., 0, :, :] *= scale
+
+
+def _flushed_exp_(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp in place, 0 at or below LOG_DECAY_CUTOFF (and at -inf). Clamped first: exp is several
+    times slower on -inf and on arguments whose result underflows."""
+    log_decay.clamp_(min=2 * LOG_DECAY_CUTOFF).exp_()
+    return F.threshold_(log_decay, math.exp(LOG_DECAY_CUTOFF), 0.0)
 
 
 def _segment_sum(g: torch.Tensor) -> torch.Tensor:
@@ -86,7 +129,7 @@ def _segment_sum(g: torch.Tensor) -> torch.Tensor:
     terms = g[..., :, None].expand(*g.shape, C).masked_fill(~ones.tril(-1), 0)  # [l, j] = g_l if l > j
     seg = terms.cumsum(-2)
     # -inf above the diagonal, so exp() gives 0 there and never overflows
-    return seg.masked_fill(~ones.tril(), float("-inf"))
+    return seg.masked_fill_(~ones.tril(), float("-inf"))
 
 
 class _ChunkLayout:
@@ -109,15 +152,17 @@ class _ChunkLayout:
 
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
         local = torch.arange(int(cu_seqlens[-1]), device=device) - cu_seqlens[seq]
-        chunk = step_start[local // chunk_size] + rank[seq]
-        self.dest = chunk * chunk_size + local % chunk_size              # [T] buffer row of each token
+        self.chunk = step_start[local // chunk_size] + rank[seq]         # [T] chunk of each token
+        self.position = local % chunk_size                              # [T] its row in the chunk
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [chunks, C, ...], zeros in the padding."""
-        buf = x.new_zeros(self.num_chunks * self.chunk_size, *x.shape[1:])
-        buf[self.dest] = x
-        return buf.view(self.num_chunks, self.chunk_size, *x.shape[1:])
+    def pack(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H, ...] -> [chunks, H, C, ...] float32, zeros in the padding; written into `into` (a
+        view of zeros of that shape) when given."""
+        if into is None:
+            into = torch.zeros(self.num_chunks, x.shape[1], self.chunk_size, *x.shape[2:], device=x.device)
+        into.transpose(1, 2)[self.chunk, self.position] = x.float()
+        return into
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[chunks, C, ...] -> [T, ...]."""
-        return x.reshape(self.num_chunks * self.chunk_size, *x.shape[2:])[self.dest]
+        """[chunks, H, C, ...] -> [T, H, ...]."""
+        return x.transpose(1, 2)[self.chunk, self.position]
