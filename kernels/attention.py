@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .slot_pool import slots_valid
+
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
@@ -17,13 +19,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     k, v: [T, nkv, hd]; kv_cache: [num_blocks, 2, block_size, nkv, hd]; slot_mapping: [T] int64
     flat slots (entries < 0 are padding and skipped).
     """
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if not slots_valid(slot_mapping):
+        keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     block_size = kv_cache.shape[2]
-    block, offset = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[block, 0, offset] = k.to(kv_cache.dtype)
-    kv_cache[block, 1, offset] = v.to(kv_cache.dtype)
+    # block and offset are advanced indices around a slice: the indexed view is [T, 2, nkv, hd]
+    kv = torch.stack([k, v], 1).to(kv_cache.dtype)
+    kv_cache[slot_mapping // block_size, :, slot_mapping % block_size] = kv
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -40,14 +42,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     Sequences with the same qlen are attended in one batched call (one gather, a length mask,
     one sdpa); a pure decode or verify step is therefore a single call with no Python loop.
     """
-    qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    N, (T, nh, hd) = qlens.numel(), q.shape
+    N, (T, nh, hd) = cu_seqlens_q.numel() - 1, q.shape
     if N == 0 or T == 0:
         return q.new_empty(q.shape)
-    if bool((qlens == qlens[0]).all()):
-        Q = T // N
+    Q = T // N
+    if Q * N == T and (N == 1 or int(cu_seqlens_q.diff().max()) == Q):   # N * Q tokens, no run above Q
         return _attend_equal_qlen(q.reshape(N, Q, nh, hd), kv_cache, block_tables, seq_lens, scale
-                                  ).view(T, nh, hd)
+                                  ).reshape(T, nh, hd)
+    qlens = cu_seqlens_q.diff()
     out = q.new_empty(q.shape)
     for Q in torch.unique(qlens).tolist():
         if Q == 0:
@@ -63,17 +65,20 @@ def _attend_equal_qlen(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     """q: [N, Q, nh, hd], every sequence with Q new tokens -> o: [N, Q, nh, hd]."""
     N, Q, nh, hd = q.shape
     nkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    max_len = int(seq_lens.max())
+    max_len = max(seq_lens.tolist())                                    # a read-back, no op dispatched
     key_pos = torch.arange(max_len, device=q.device)
     # Positions past a sequence's length re-read its last key: every gathered slot then belongs
     # to the sequence (block-table tails may hold garbage ids, unwritten slots may hold NaN,
-    # and NaN * 0 would still poison the output), and the mask below hides them.
-    pos = torch.minimum(key_pos[None, :], seq_lens[:, None] - 1)        # [N, L]
-    blocks = block_tables.gather(1, pos // block_size).long()
-    kv = kv_cache[blocks, :, pos % block_size].float()                # [N, L, 2, nkv, hd]
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [N, nkv, L, hd]
-    q_pos = seq_lens[:, None] - Q + torch.arange(Q, device=q.device)  # [N, Q]
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]                # [N, Q, L]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask[:, None],
+    # and NaN * 0 would still poison the output), and the mask below hides them. A single
+    # sequence has none.
+    pos = key_pos[None] if N == 1 else torch.minimum(key_pos, (seq_lens - 1)[:, None])   # [N, L]
+    blocks = block_tables.gather(1, pos // block_size)
+    k, v = kv_cache[blocks, :, pos % block_size].float().transpose(1, 3).unbind(2)  # [N, nkv, L, hd]
+    # One sequence decoding one token sees all max_len keys: no mask to build.
+    mask = None
+    if N > 1 or Q > 1:
+        q_pos = (seq_lens - Q)[:, None] + torch.arange(Q, device=q.device)   # [N, Q]
+        mask = (key_pos <= q_pos[:, :, None])[:, None]                      # [N, 1, Q, L]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask,
                                        scale=scale, enable_gqa=nh != nkv)
     return o.transpose(1, 2).to(q.dtype)

@@ -18,11 +18,17 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                  eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention q/k prep: zero-centred RMSNorm over head_dim, then partial NeoX RoPE.
 
-    q: [T, nh, hd]; k: [T, nkv, hd]; q_weight, k_weight: [hd]; cos, sin: [T, rotary_dim].
+    q: [T, nh, hd]; k: [T, nkv, hd] (same dtype); q_weight, k_weight: [hd]; cos, sin: [T, rotary_dim].
     Returns (q, k) in their input dtypes.
+
+    Here q and k go through the plain ops as one [T, nh + nkv, hd] tensor, each head with its
+    own weight: the same per-row arithmetic (bitwise equal to the ops applied to each), in half
+    the calls.
     """
-    return (apply_partial_rope(rms_norm(q, q_weight, eps), cos, sin),
-            apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin))
+    nh, nkv = q.shape[1], k.shape[1]
+    weight = torch.cat([q_weight.expand(nh, -1), k_weight.expand(nkv, -1)])
+    qk = apply_partial_rope(rms_norm(torch.cat([q, k], dim=1), weight, eps), cos, sin)
+    return qk[:, :nh], qk[:, nh:]
 
 
 def recurrent_gated_delta_rule_fused_gating(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

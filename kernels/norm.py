@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -10,11 +12,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + weight).
 
     x: [..., D]; weight: [D] (stored as an offset from 1, init 0). All in fp32 with a single
-    cast back to x.dtype (input, post-attention, final, q/k and MTP norms).
+    cast back to x.dtype (input, post-attention, final, q/k and MTP norms). This torch op also
+    takes a weight of any shape that broadcasts against x (kernels/fused.py uses one weight row
+    per head); the triton op takes [D] only.
     """
     h = x.float()
-    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).to(x.dtype)
+    h = h * _inv_rms(h, eps)
+    return h.mul_(weight.float() + scalar(1.0, h.device)).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,7 +28,24 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     and silu(z) is applied in fp32, as transformers does; the bf16 rounding points matter.
     """
     h = x.float()
-    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    h = h * _inv_rms(h, eps)
     h = weight * h.to(x.dtype)
     h = h * F.silu(z.float())
     return h.to(x.dtype)
+
+
+def _inv_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(h^2) + eps) over the last dim, bitwise as written (mean is a sum and a
+    division by D), in three ops with no Python scalar operand."""
+    d = h.device
+    return torch.addcdiv(scalar(eps, d), h.square().sum(-1, keepdim=True), scalar(h.shape[-1], d)).rsqrt_()
+
+
+@functools.lru_cache(maxsize=64)
+def scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor holding value, made once. An op with a Python number operand
+    first wraps it in a fresh tensor, which at decode sizes costs more than the op itself.
+    Filled on the device (no host copy: a CUDA graph capture may build it) and outside
+    inference mode, so that it serves every mode."""
+    with torch.inference_mode(False):
+        return torch.full((), value, dtype=torch.float32, device=device)

@@ -6,6 +6,8 @@ exactly to this 1-D form with position = absolute token index.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -16,11 +18,19 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: 
     positions: [T] int. inv_freq = 1 / theta ** (arange(0, rot, 2) / rot); dims j and j + rot/2
     share frequency j (so cos = cat(cos(f), cos(f))).
     """
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float()
-    inv_freq = 1.0 / (theta ** (exponent / rotary_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * _inv_freq(rotary_dim, theta, positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    # Built once per config and device: a decode step would otherwise spend more ops on this
+    # constant than on the tables themselves. Made outside inference mode, so that a cached
+    # table stays usable from every mode.
+    with torch.inference_mode(False):
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
+        return 1.0 / (theta ** (exponent / rotary_dim))
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels import apply_partial_rope, paged_attention, rms_norm, write_kv_cache
+from hybrid_engine.kernels import paged_attention, qk_norm_rope, write_kv_cache
 
 from .batch import ForwardBatch
 from .config import ModelConfig
@@ -38,17 +38,14 @@ class GatedAttention(nn.Module):
         q_gate, k, v = linear(x, self.qkv_weight).split(self.qkv_weight_sizes, dim=-1)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # q/k norms are zero-centred RMSNorms over head_dim, applied before RoPE.
-        q = rms_norm(q, self.q_norm.weight, self.eps)
-        k = rms_norm(k.view(t, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.eps)
+        q, k = qk_norm_rope(q, k.view(t, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                            self.k_norm.weight, self.eps, *rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q = apply_partial_rope(q, cos, sin)
-        k = apply_partial_rope(k, cos, sin)
         write_kv_cache(k, v, kv_cache, batch.slot_mapping)
         o = paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale)
         # The gate is per head and per dim, in the same (head, dim) order as the output.
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return linear(o, self.o_proj.weight)
+        o = o * torch.sigmoid(gate)
+        return linear(o.reshape(t, -1), self.o_proj.weight)
 
 
 class _NormWeight(nn.Module):

@@ -47,53 +47,67 @@ class GatedDeltaNet(nn.Module):
         self.norm = _PlainNormWeight(self.dv)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         merge_projections(self, "in_proj_weight", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
+        self.register_load_state_dict_post_hook(_derive_decay_rate)
+        _derive_decay_rate(self)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
                 state_pool: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         # mixed: [T, conv_dim], pre-conv q|k|v; z: output gate; b, a: per value head
         mixed, z, b, a = linear(x, self.in_proj_weight).split(self.in_proj_weight_sizes, dim=-1)
-        z = z.view(t, self.hv, self.dv)
         beta = torch.sigmoid(b)                                       # activation dtype, as HF
         # Log-space decay in fp32: A_log spans log(0.01..16), fp16 would overflow exp.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-
+        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias.float())
         conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
-        p, np_ = batch.num_prefill_tokens, batch.num_prefills
-        nd, dl = batch.num_decodes, batch.decode_len
-        outs = []
-        if np_ > 0:
-            slots = batch.state_slots[:np_]
-            fresh = ~batch.has_initial_state[:np_]
-            cu = batch.cu_seqlens[:np_ + 1]
-            window = conv_pool[slots]
-            window[fresh] = 0
-            u, final_window = causal_conv1d_varlen(mixed[:p], conv_w, cu, window)
-            conv_pool[slots] = final_window
-            q, k, v = self._split_heads(u)
-            init = state_pool[slots]
-            init[fresh] = 0
-            o, final_state = chunk_gated_delta_rule(q, k, v, g[:p], beta[:p], cu, init)
-            state_pool[slots] = final_state
-            outs.append(o)
-        if nd > 0:
-            read = batch.state_slots[np_:]
-            write = batch.state_write_slots
-            u = causal_conv1d_update(mixed[p:].view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write)
-            q, k, v = self._split_heads(u.reshape(nd * dl, self.conv_dim))
-            o = recurrent_gated_delta_rule(
-                q.view(nd, dl, self.hk, self.dk), k.view(nd, dl, self.hk, self.dk),
-                v.view(nd, dl, self.hv, self.dv), g[p:].view(nd, dl, self.hv),
-                beta[p:].view(nd, dl, self.hv), state_pool, read, write)
-            outs.append(o.reshape(nd * dl, self.hv, self.dv))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        y = gated_rms_norm(o, z, self.norm.weight, self.eps)          # plain weight, not 1+w
-        return linear(y.reshape(t, self.value_dim), self.out_proj.weight)
+        p = batch.num_prefill_tokens
+        if p == t:
+            o = self._prefill(mixed, g, beta, conv_w, batch, conv_pool, state_pool)
+        elif p == 0:                                                  # the common step: no slicing
+            o = self._decode(mixed, g, beta, conv_w, batch, conv_pool, state_pool)
+        else:
+            o = torch.cat([self._prefill(mixed[:p], g[:p], beta[:p], conv_w, batch, conv_pool, state_pool),
+                           self._decode(mixed[p:], g[p:], beta[p:], conv_w, batch, conv_pool, state_pool)])
+        y = gated_rms_norm(o, z.view(t, self.hv, self.dv), self.norm.weight, self.eps)  # plain weight, not 1+w
+        return linear(y.view(t, self.value_dim), self.out_proj.weight)
 
-    def _split_heads(self, u: torch.Tensor):
+    def _prefill(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
+        """The prefill segments (chunked varlen kernels) -> o [tokens, Hv, dv]."""
+        np_ = batch.num_prefills
+        slots = batch.state_slots[:np_]
+        fresh = ~batch.has_initial_state[:np_]
+        cu = batch.cu_seqlens[:np_ + 1]
+        window = conv_pool[slots]
+        window[fresh] = 0
+        u, final_window = causal_conv1d_varlen(mixed, conv_w, cu, window)
+        conv_pool[slots] = final_window
         t = u.shape[0]
-        q, k, v = torch.split(u, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv))
+        q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        init = state_pool[slots]
+        init[fresh] = 0
+        o, final_state = chunk_gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
+                                                v.reshape(t, self.hv, self.dv), g, beta, cu, init)
+        state_pool[slots] = final_state
+        return o
+
+    def _decode(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
+        """The decode segments, decode_len tokens each (recurrent kernels) -> o [tokens, Hv, dv]."""
+        nd, dl = batch.num_decodes, batch.decode_len
+        read = batch.state_slots[batch.num_prefills:] if batch.num_prefills else batch.state_slots
+        write = batch.state_write_slots
+        u = causal_conv1d_update(mixed.view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write)
+        q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        o = recurrent_gated_delta_rule(
+            q.view(nd, dl, self.hk, self.dk), k.view(nd, dl, self.hk, self.dk),
+            v.view(nd, dl, self.hv, self.dv), g.view(nd, dl, self.hv), beta.view(nd, dl, self.hv),
+            state_pool, read, write)
+        return o.view(nd * dl, self.hv, self.dv)
+
+
+def _derive_decay_rate(module: GatedDeltaNet, _incompatible_keys=None) -> None:
+    """-exp(A_log) in fp32, a per-layer constant: computed at construction and after every
+    load_state_dict rather than in every step (so an in-place edit of A_log takes effect only
+    through load_state_dict)."""
+    module.register_buffer("neg_decay_rate", -module.A_log.detach().float().exp(), persistent=False)
 
 
 class _PlainNormWeight(nn.Module):

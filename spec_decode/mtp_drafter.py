@@ -41,6 +41,9 @@ class MTPDrafter:
         self.cache = cache
         self.k = num_speculative_tokens
         self.block_size = block_size
+        self.device = model.embed_tokens.weight.device
+        self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._no_flags = torch.zeros(0, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
     def run(self, catchups: list[CatchUp]) -> dict[str, list[int]]:
@@ -48,25 +51,29 @@ class MTPDrafter:
         if not catchups:
             return {}
         segs = [(c.request_id, c.start, len(c.next_tokens)) for c in catchups]
-        tokens = torch.tensor([t for c in catchups for t in c.next_tokens], dtype=torch.int64)
-        hidden = torch.cat([c.hidden for c in catchups], dim=0)
+        tokens = self._tensor([t for c in catchups for t in c.next_tokens])
+        hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
         h = self._forward(tokens, hidden, segs)
-        ends = torch.tensor(segs_end_rows(segs))
         drafting = [i for i, c in enumerate(catchups) if c.draft]
         if not drafting:
             return {}
-        h_last = h[ends[drafting]]
-        draft = self.model.compute_logits(h_last).argmax(dim=-1)
+        ends = segs_end_rows(segs)
+        rows = [ends[i] for i in drafting]
+        h_last = h[rows[0]:rows[0] + 1] if len(rows) == 1 else h.index_select(0, self._tensor(rows))
+        draft = self._greedy(h_last)
         drafts = [draft]
         ids = [catchups[i].request_id for i in drafting]
         pos = [catchups[i].start + len(catchups[i].next_tokens) - 1 for i in drafting]
         for _ in range(self.k - 1):
             pos = [p + 1 for p in pos]
             h_last = self._forward(draft, h_last, [(rid, p, 1) for rid, p in zip(ids, pos)])
-            draft = self.model.compute_logits(h_last).argmax(dim=-1)
+            draft = self._greedy(h_last)
             drafts.append(draft)
         stacked = torch.stack(drafts, dim=1).tolist()
         return dict(zip(ids, stacked))
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).max(dim=-1).indices     # cheaper than argmax on CPU
 
     def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, segs: list[tuple[str, int, int]]) -> torch.Tensor:
         batch = self._batch(segs)
@@ -74,28 +81,32 @@ class MTPDrafter:
         rope = self.model.rope(batch.positions, embeds.dtype)
         return self.model.mtp(embeds, hidden.to(embeds.dtype), batch, self.cache, rope)
 
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
     def _batch(self, segs: list[tuple[str, int, int]]) -> ForwardBatch:
-        """Metadata for the MTP layer (full attention only: the GDN fields stay empty)."""
+        """Metadata for the MTP layer (full attention only: the GDN fields stay empty), built as
+        Python lists and converted with one tensor call per field."""
         bs = self.block_size
         positions, slots, cu, seq_lens, tables = [], [], [0], [], []
         for rid, start, n in segs:
             table = self.cache.get(rid).block_table
-            pos = torch.arange(start, start + n)
-            t = torch.tensor(table, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(t[pos // bs] * bs + pos % bs)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-            tables.append(table)
+            tables.append(table[:(start + n + bs - 1) // bs])        # the blocks attention reads
         width = max(len(t) for t in tables)
-        bt = torch.zeros(len(segs), width, dtype=torch.int64)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t)
-        empty = torch.zeros(0, dtype=torch.int64)
+        padded = [b for t in tables for b in t + [0] * (width - len(t))]
+        # One host-to-tensor copy for all five fields (each conversion costs more than a view).
+        fields = self._tensor(positions + cu + seq_lens + slots + padded).split(
+            [len(positions), len(cu), len(seq_lens), len(slots), len(padded)])
         return ForwardBatch(
-            positions=torch.cat(positions), cu_seqlens=torch.tensor(cu), seq_lens=torch.tensor(seq_lens),
-            slot_mapping=torch.cat(slots), block_tables=bt, state_slots=empty,
-            has_initial_state=empty.bool(), state_write_slots=empty.view(0, 1), logits_indices=empty,
+            positions=fields[0], cu_seqlens=fields[1], seq_lens=fields[2], slot_mapping=fields[3],
+            block_tables=fields[4].view(len(tables), width),
+            state_slots=self._no_slots, has_initial_state=self._no_flags,
+            state_write_slots=self._no_slots.view(0, 1), logits_indices=self._no_slots,
             num_prefills=len(segs), num_prefill_tokens=cu[-1])
 
 

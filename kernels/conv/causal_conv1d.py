@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..slot_pool import scatter_to_slots
+from ..slot_pool import scatter_to_slots, slots_valid
+
+
+CONV_BLOCK_BYTES = 512 * 1024        # float32 bytes per block of conv rows: a few blocks fit in L2
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -21,34 +24,63 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     y[t, c] = silu(sum_j weight[c, j] * xx[c, t-K+1+j]), xx = the sequence's window ++ its inputs.
     Returns y: [T, D] in x.dtype and final_window: [N, D, K-1], the last K-1 entries of
     window ++ inputs (so a sequence shorter than K-1 keeps part of its old window).
+
+    The taps are summed in weight order in float32, one multiply-add per tap over shifted row
+    ranges (F.conv1d's order of summation: bitwise equal to it in float32, without its
+    transposes to channels-major and back), rounded to x.dtype before the SiLU.
     """
     T, D = x.shape
     W = weight.shape[1] - 1
-    N = cu_seqlens.numel() - 1
-    device = x.device
     if T == 0:                                          # nothing to do
         return x.new_empty(0, D), initial_window.to(x.dtype).clone()
-    # One buffer holds every sequence as [window | inputs], back to back, one row per time step.
-    # A token's K-tap receptive field then never leaves its own segment, so K multiply-adds over
-    # shifted row ranges serve all sequences. That is F.conv1d's order of summation (bitwise
-    # equal in float32) without its transposes to channels-major and back, which cost more than
-    # the conv itself on CPU.
-    seq_ids = torch.arange(N, device=device)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    token_row = torch.arange(T, device=device) + W * (torch.repeat_interleave(seq_ids, lengths) + 1)
-    window_rows = (cu_seqlens[:-1] + W * seq_ids)[:, None] + torch.arange(W, device=device)
-    buf = x.new_empty(T + N * W, D)
-    buf.index_copy_(0, token_row, x)
-    buf.index_copy_(0, window_rows.flatten(), initial_window.transpose(1, 2).reshape(N * W, D).to(x.dtype))
+    taps = weight.float().t().contiguous()                              # [K, D]
+    y = x.new_empty(T, D)
+    # Every row t >= W as if the packed tokens were one stream, in blocks of rows small enough
+    # to stay in cache through the K multiply-adds and the SiLU: over whole [T, D] tensors each
+    # pass would stream from memory, and each temporary would be a fresh allocation to page in.
+    block = max(1, CONV_BLOCK_BYTES // (4 * D))
+    acc = None if x.dtype == torch.float32 else x.new_empty(block, D, dtype=torch.float32)
+    for start in range(W, T, block):
+        stop = min(start + block, T)
+        _conv_silu_rows(x[start - W:stop], taps, y[start:stop], acc)
+    # The first W rows of each sequence read its window (the pass above got them wrong or never
+    # computed them): recompute them from [window | first W inputs], all sequences at once.
+    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    pos = torch.arange(W, device=x.device)
+    firsts = torch.cat([initial_window.transpose(1, 2).to(x.dtype),
+                        x[(starts[:, None] + pos).clamp(max=T - 1)]], dim=1)   # [N, 2W, D]
+    first_y = x.new_empty(len(starts), W, D)
+    _conv_silu_rows(firsts, taps, first_y, None)
+    is_first = pos < lengths[:, None]
+    y[(starts[:, None] + pos)[is_first]] = first_y[is_first]
+    # final window: the last W inputs, or for a sequence shorter than W part of its old window
+    from_inputs = x[((starts + lengths - W)[:, None] + pos).clamp(0, T - 1)]
+    from_firsts = firsts.gather(1, (lengths[:, None] + pos).clamp(max=2 * W - 1)[..., None].expand(-1, -1, D))
+    final_window = torch.where((lengths >= W)[:, None, None], from_inputs, from_firsts)
+    return y, final_window.transpose(1, 2).contiguous()
 
-    bf, wf = buf.float(), weight.float()
-    n_out = T + (N - 1) * W                                            # output j ends at buffer row j+W
-    conv = bf[:n_out] * wf[:, 0]
-    for j in range(1, W + 1):
-        conv.addcmul_(bf[j:j + n_out], wf[:, j])
-    y = F.silu(conv.to(x.dtype).index_select(0, token_row - W))
-    final_window = buf[window_rows + lengths[:, None]].transpose(1, 2).contiguous()
-    return y, final_window
+
+def _conv_silu_rows(x: torch.Tensor, taps: torch.Tensor, out: torch.Tensor,
+                    acc: torch.Tensor | None) -> None:
+    """out[..., i, :] = silu(sum_j taps[j] * x[..., i + j, :]); x: [..., R + K - 1, D], out: [..., R, D].
+
+    Sums in float32: in `out` when it is float32, else in acc[:R] (a reused float32 [>= R, D]
+    buffer) or, without acc, in a new tensor.
+    """
+    R = out.shape[-2]
+    xf = x.float()
+    if out.dtype == torch.float32:
+        acc = out
+    elif acc is not None:
+        acc = acc[:R]
+    else:
+        acc = torch.empty(out.shape, device=out.device)
+    torch.mul(xf[..., :R, :], taps[0], out=acc)
+    for j in range(1, taps.shape[0]):
+        acc.addcmul_(xf[..., j:j + R, :], taps[j])
+    if acc is not out:
+        out.copy_(acc)
+    F.silu(out, inplace=True)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
@@ -61,20 +93,19 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: tor
     < 0 skipped; tokens are written in order, so a slot repeated along t keeps the last
     window). All reads happen before any write. Returns y: [B, T, D] in x.dtype.
 
-    The taps are summed in weight order as one multiply-add per tap over the batch (as
-    F.conv1d does: bitwise equal to it in float32), because conv1d's per-call set-up costs
-    more than the arithmetic at decode sizes. Accumulated in float32, rounded to x.dtype
-    before the SiLU, as conv1d's output would be.
+    Each output is one product of its K-tap window with the weight and a sum over the taps
+    (conv1d's per-call set-up costs more than the arithmetic at decode sizes; this is two
+    ops for any B and T). The sum's order differs from F.conv1d's by an ulp at most, and does
+    not depend on B or T, so a token gets the same output in a decode and in a verify step.
+    Accumulated in float32, rounded to x.dtype before the SiLU, as conv1d's output would be.
     """
     B, T, D = x.shape
     W = weight.shape[1] - 1
-    xx = torch.cat([window_pool.index_select(0, read_slots).to(x.dtype), x.transpose(1, 2)], dim=-1)
-    taps = xx.float().unfold(-1, T, 1).unbind(2)                        # K x [B, D, T]
-    w = weight.float()[:, :, None].unbind(1)                              # K x [D, 1]
-    y = taps[0] * w[0]
-    for tap, w_j in zip(taps[1:], w[1:]):
-        y.addcmul_(tap, w_j)
+    xx = torch.cat([window_pool.index_select(0, read_slots), x.transpose(1, 2)], dim=-1)  # [B, D, W + T]
+    y = (xx.float().unfold(-1, W + 1, 1) * weight.float()[:, None]).sum(-1)  # [B, D, T]
     y = F.silu(y.to(x.dtype)).transpose(1, 2)
-    for t in range(T):                                 # in token order: a repeated slot keeps the last
-        scatter_to_slots(window_pool, write_slots[:, t], xx[:, :, t + 1:t + 1 + W].contiguous())
+    windows = xx.unfold(-1, W, 1).unbind(2)[1:]        # T x [B, D, W]: the window after each token
+    valid = slots_valid(write_slots)
+    for slots, window in zip(write_slots.unbind(1), windows):   # in token order: a repeated slot keeps the last
+        scatter_to_slots(window_pool, slots, window, valid)
     return y

@@ -11,14 +11,17 @@ o = S'^T q = a S^T q + (k . q) u, so one bmm of the stacked [k; q] against S giv
 Plain decode (T = 1, every request writing back to its read slot) with large states updates
 each request's state where it lives in the pool: gathering the batch into a copy and
 scattering it back would add two more passes over every state, and one request's state stays
-in L2 between its read and its update. Small states (tiny models) go through the gathered
-copy instead, where the per-request loop's ~3 ops per request would cost more than the copies.
+in L2 between its read and its update. Small states (tiny models) and verify steps go through
+the gathered copy instead, where the per-request loop's ~3 ops per request would cost more than
+the copies; there the cost is op count rather than traffic, so each token takes the naive
+reference's five ops (decay, k^T S, u, rank-1 update, q^T S) instead of the single read's ten.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..slot_pool import scatter_to_slots, slots_valid
 from .qk_norm import normalize_kq
 
 # A slot state at least this large is updated in place, one request at a time.
@@ -43,16 +46,18 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     B, T, Hv, dv = v.shape
     kq = normalize_kq(q, k, Hv, scale, use_qk_l2norm)                # [B, T, Hv, 2, dk]: k, scaled q
-    qk = (kq[..., 0, :] * kq[..., 1, :]).sum(-1)[..., None, None]      # [B, T, Hv, 1, 1]
-    decay = g.float().exp()[..., None, None]
-    beta = beta.float()[..., None, None]
-    vf = v.float()[..., None, :]                                       # [B, T, Hv, 1, dv]
-    if T == 1 and state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES:
-        read = read_slots.tolist()
-        if write_slots.view(-1).tolist() == read:
-            o = _decode_in_place(kq[:, 0], qk[:, 0], decay[:, 0], beta[:, 0], vf[:, 0], state_pool, read)
-            return o.view(B, 1, Hv, dv).to(v.dtype)
-    return _steps(kq, qk, decay, beta, vf, state_pool, read_slots, write_slots).to(v.dtype)
+    decay = g.float().exp()
+    read = read_slots.tolist()
+    plain = T == 1 and [row[0] for row in write_slots.tolist()] == read   # each row back to its slot
+    if plain and state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES:
+        kq = kq[:, 0]
+        qk = (kq[:, :, 0] * kq[:, :, 1]).sum(-1)[..., None, None]        # [B, Hv, 1, 1]
+        o = _decode_in_place(kq, qk, decay[:, 0, :, None, None], beta.float()[:, 0, :, None, None],
+                             v.float()[:, 0, :, None, :], state_pool, read)
+        return o.view(B, 1, Hv, dv).to(v.dtype)
+    # A single plain decode needs no copy at any size: its one state is updated in its slot.
+    in_place_slot = read[0] if plain and B == 1 else None
+    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot).to(v.dtype)
 
 
 def _decode_in_place(kq, qk, decay, beta, v, state_pool, slots):
@@ -70,24 +75,37 @@ def _decode_in_place(kq, qk, decay, beta, v, state_pool, slots):
     return o
 
 
-def _steps(kq, qk, decay, beta, v, state_pool, read_slots, write_slots):
+def _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot=None):
     """General form: the batch's states gathered into a copy (which lets writes target read
-    slots), advanced token by token, each token's state scattered to its write slots."""
+    slots), advanced token by token in the naive reference's order (decay, read k^T S, update,
+    read q^T S: fewer ops than the in-place path's single read, which pays only for large
+    states), each token's state scattered to its write slots. With in_place_slot (one request,
+    one token, written back to where it was read) the state is updated in the pool instead."""
     B, T, Hv, _, dk = kq.shape
     dv = v.shape[-1]
     n = B * Hv
-    state = state_pool.index_select(0, read_slots).view(n, dk, dv)
-    o = kq.new_empty(B, T, Hv, dv)
-    for t in range(T):                                                 # T is 1 or a few drafts
-        kq_t, a = kq[:, t].reshape(n, 2, dk), decay[:, t].reshape(n, 1, 1)
-        reads = torch.bmm(kq_t, state)
-        u = (v[:, t].reshape(n, 1, dv) - a * reads[:, :1]) * beta[:, t].reshape(n, 1, 1)
-        o[:, t] = torch.addcmul(a * reads[:, 1:], qk[:, t].reshape(n, 1, 1), u).view(B, Hv, dv)
-        state.mul_(a).baddbmm_(kq_t[:, :1].transpose(1, 2), u)
-        slots = write_slots[:, t]
-        keep = slots >= 0
-        if bool(keep.all()):
-            state_pool.index_copy_(0, slots, state.view(B, Hv, dk, dv))
-        else:
-            state_pool[slots[keep]] = state.view(B, Hv, dk, dv)[keep]
-    return o
+    if in_place_slot is None:
+        states = state_pool.index_select(0, read_slots)               # [B, Hv, dk, dv], what is written
+        valid = slots_valid(write_slots)
+    else:
+        states = state_pool[in_place_slot:in_place_slot + 1]
+    state = states.view(n, dk, dv)                                    # the same memory, batched over heads
+    outs = []
+    for kq_t, a_t, b_t, v_t, slots in zip(_per_token(kq, n, 2, dk), _per_token(decay, n, 1, 1),
+                                          _per_token(beta.float(), n, 1, 1), _per_token(v.float(), n, 1, dv),
+                                          _per_token(write_slots, B)):
+        k_t = kq_t[:, :1]
+        state.mul_(a_t)
+        u = torch.baddbmm(v_t, k_t, state, alpha=-1).mul_(b_t)
+        state.baddbmm_(k_t.transpose(1, 2), u)                         # S += k u^T, u = beta (v - k^T S)
+        outs.append(torch.bmm(kq_t[:, 1:], state).view(B, 1, Hv, dv))  # q^T S
+        if in_place_slot is None:
+            scatter_to_slots(state_pool, slots, states, valid)
+    return outs[0] if T == 1 else torch.cat(outs, 1)
+
+
+def _per_token(x: torch.Tensor, *shape: int) -> list[torch.Tensor]:
+    """x: [B, T, ...] -> T tensors, each token's slice reshaped to `shape`."""
+    if x.shape[1] == 1:
+        return [x.reshape(shape)]
+    return [x_t if x_t.shape == shape else x_t.reshape(shape) for x_t in x.unbind(1)]
