@@ -40,7 +40,7 @@ def test_triton_generation_matches_torch(device, spec, model_cache, monkeypatch)
     assert out == ref
     used = {"chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_varlen",
             "causal_conv1d_update", "paged_attention", "write_kv_cache", "rms_norm", "gated_rms_norm",
-            "apply_partial_rope"}
+            "qk_norm_rope"}
     assert used <= set(calls), f"ops that never ran on triton: {sorted(used - set(calls))}"
 
 
