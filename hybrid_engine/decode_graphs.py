@@ -39,6 +39,8 @@ def graphs_supported(model: HybridForCausalLM) -> bool:
 
 
 class DecodeGraphs:
+    """One StepGraphs per decode length L (1, and 1 + k with speculation), sharing the buckets."""
+
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager, decode_lens: Sequence[int],
                  buckets: Sequence[int], max_blocks_per_seq: int, device: torch.device | str,
                  capture: bool):
@@ -97,6 +99,7 @@ class DecodeGraphs:
                 positions=v["positions"], cu_seqlens=v["cu_seqlens"], seq_lens=v["seq_lens"],
                 slot_mapping=v["slot_mapping"], block_tables=v["block_tables"], state_slots=v["state_slots"],
                 has_initial_state=torch.ones(n, dtype=torch.bool, device=v["seq_lens"].device),
+                # every row samples: logits for all rows below, so the model needs no indices
                 state_write_slots=v["state_write_slots"], logits_indices=v["positions"][:0],
                 num_prefills=0, num_prefill_tokens=0, decode_len=L)
             hidden = self.model(v["input_ids"], batch, self.cache)
