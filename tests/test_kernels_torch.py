@@ -23,6 +23,8 @@ from hybrid_engine.kernels import (
 )
 from hybrid_engine.kernels.gdn import recurrent as recurrent_module
 
+from kernel_cases import gdn_inputs, make_cu, paged_kv_case
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -33,30 +35,14 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-
-
-def _gdn_inputs(T, Hk=2, Hv=4, dk=16, dv=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, Hk, dk, generator=gen)
-    k = torch.randn(T, Hk, dk, generator=gen)
-    v = torch.randn(T, Hv, dv, generator=gen)
-    # strong decays: most steps lose up to e^-4, some tokens almost wipe the state (e^-20)
-    g = -4 * torch.rand(T, Hv, generator=gen)
-    g[torch.rand(T, Hv, generator=gen) < 0.1] = -20.0
-    beta = torch.rand(T, Hv, generator=gen)
-    return q, k, v, g, beta
-
-
 # ---------------------------------------------------------------- gated delta rule
 
 @pytest.mark.parametrize("chunk_size", [64, 16])
 def test_chunk_matches_naive_varlen(chunk_size):
     lengths = [1, 7, 64, 0, 65, 130]
     Hv, dk, dv = 4, 16, 8
-    q, k, v, g, beta = _gdn_inputs(sum(lengths))
-    cu = _cu(lengths)
+    q, k, v, g, beta = gdn_inputs(sum(lengths))
+    cu = make_cu(lengths)
     init = 0.5 * torch.randn(len(lengths), Hv, dk, dv, generator=torch.Generator().manual_seed(1))
     init_copy = init.clone()
 
@@ -78,10 +64,10 @@ def test_chunk_matches_transformers_reference():
 
     hf_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)
     T, Hv, dk, dv = 100, 4, 16, 8
-    q, k, v, g, beta = _gdn_inputs(T, seed=2)
+    q, k, v, g, beta = gdn_inputs(T, seed=2)
     init = 0.5 * torch.randn(1, Hv, dk, dv, generator=torch.Generator().manual_seed(3))
 
-    o, final = chunk_gated_delta_rule(q, k, v, g, beta, _cu([T]), init)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, make_cu([T]), init)
     # HF layout [B, T, H, D]; it repeat_interleaves q/k to the value heads itself
     o_hf, final_hf = hf_chunk(q[None], k[None], v[None], g[None], beta[None], chunk_size=64,
                               initial_state=init, output_final_state=True,
@@ -91,10 +77,10 @@ def test_chunk_matches_transformers_reference():
 
 
 def test_chunk_scale_and_no_l2norm_match_naive():
-    q, k, v, g, beta = _gdn_inputs(40, seed=4)
+    q, k, v, g, beta = gdn_inputs(40, seed=4)
     q, k = 0.3 * q, 0.3 * k                            # keep the un-normalised rule stable
     init = torch.zeros(1, 4, 16, 8)
-    o, final = chunk_gated_delta_rule(q, k, v, g, beta, _cu([40]), init, scale=0.7, use_qk_l2norm=False)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, make_cu([40]), init, scale=0.7, use_qk_l2norm=False)
     o_ref, final_ref = naive_gated_delta_rule(q, k, v, g, beta, None, scale=0.7, use_qk_l2norm=False)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final[0], final_ref, atol=1e-5, rtol=1e-5)
@@ -102,7 +88,7 @@ def test_chunk_scale_and_no_l2norm_match_naive():
 
 def _recurrent_case(B, T, seed):
     Hk, Hv, dk, dv = 2, 4, 16, 8
-    q, k, v, g, beta = _gdn_inputs(B * T, Hk, Hv, dk, dv, seed=seed)
+    q, k, v, g, beta = gdn_inputs(B * T, Hk, Hv, dk, dv, seed=seed)
     q, k = q.view(B, T, Hk, dk), k.view(B, T, Hk, dk)
     v, g, beta = v.view(B, T, Hv, dv), g.view(B, T, Hv), beta.view(B, T, Hv)
     pool = torch.randn(16, Hv, dk, dv, generator=torch.Generator().manual_seed(seed + 1))
@@ -163,10 +149,10 @@ def test_repeated_write_slot_keeps_last_token():
 def test_recurrent_steps_match_chunk_prefill():
     # decode token by token from slot 2 == one chunked prefill over the same tokens
     T = 9
-    q, k, v, g, beta = _gdn_inputs(T, seed=7)
+    q, k, v, g, beta = gdn_inputs(T, seed=7)
     pool = torch.zeros(4, 4, 16, 8)
     pool[2] = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(8))
-    o_chunk, final = chunk_gated_delta_rule(q, k, v, g, beta, _cu([T]), pool[2:3].clone())
+    o_chunk, final = chunk_gated_delta_rule(q, k, v, g, beta, make_cu([T]), pool[2:3].clone())
     slot = torch.tensor([2])
     outs = [recurrent_gated_delta_rule(q[t][None, None], k[t][None, None], v[t][None, None],
                                        g[t][None, None], beta[t][None, None], pool, slot, slot[:, None])
@@ -194,7 +180,7 @@ def test_conv_varlen_matches_per_sequence_conv():
     weight = torch.randn(D, K, generator=gen)
     window = torch.randn(len(lengths), D, K - 1, generator=gen)
     window[0] = 0                                      # a fresh sequence
-    cu = _cu(lengths)
+    cu = make_cu(lengths)
 
     y, final = causal_conv1d_varlen(x, weight, cu, window)
 
@@ -220,10 +206,10 @@ def test_conv_update_matches_varlen():
     y = causal_conv1d_update(x, weight, pool, read, write)
 
     for b in range(B):
-        y_ref, _ = causal_conv1d_varlen(x[b], weight, _cu([T]), before[read[b]][None])
+        y_ref, _ = causal_conv1d_varlen(x[b], weight, make_cu([T]), before[read[b]][None])
         torch.testing.assert_close(y[b], y_ref, atol=1e-6, rtol=1e-6)
         for t in range(T):
-            _, window_t = causal_conv1d_varlen(x[b, :t + 1], weight, _cu([t + 1]), before[read[b]][None])
+            _, window_t = causal_conv1d_varlen(x[b, :t + 1], weight, make_cu([t + 1]), before[read[b]][None])
             assert torch.equal(pool[write[b, t]], window_t[0])
     assert torch.equal(pool[5], before[5])
 
@@ -236,7 +222,7 @@ def test_conv_decode_steps_match_varlen():
     pool = torch.zeros(3, D, K - 1)
     slots = torch.tensor([2, 0])
     ys = [causal_conv1d_update(x[:, t:t + 1], weight, pool, slots, slots[:, None]) for t in range(T)]
-    y_ref, final_ref = causal_conv1d_varlen(x.reshape(2 * T, D), weight, _cu([T, T]),
+    y_ref, final_ref = causal_conv1d_varlen(x.reshape(2 * T, D), weight, make_cu([T, T]),
                                             torch.zeros(2, D, K - 1))
     torch.testing.assert_close(torch.cat(ys, 1).reshape(2 * T, D), y_ref, atol=1e-6, rtol=1e-6)
     assert torch.equal(pool[slots], final_ref)
@@ -308,24 +294,7 @@ NH, NKV, HD = 4, 2, 8
 
 def _paged_setup(block_size, cached, new, seed):
     """A NaN-filled cache holding the sequences' keys in shuffled blocks, plus dense copies."""
-    gen = torch.Generator().manual_seed(seed)
-    totals = [c + n for c, n in zip(cached, new)]
-    need = [-(-L // block_size) for L in totals]
-    num_blocks = sum(need) + 3
-    kv_cache = torch.full((num_blocks, 2, block_size, NKV, HD), float("nan"))
-    block_ids = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.full((len(totals), max(need) + 1), -1, dtype=torch.int64)
-    keys, values, start = [], [], 0
-    for n, L in enumerate(totals):
-        block_tables[n, :need[n]] = block_ids[start:start + need[n]]
-        start += need[n]
-        keys.append(torch.randn(L, NKV, HD, generator=gen))
-        values.append(torch.randn(L, NKV, HD, generator=gen))
-        pos = torch.arange(L)
-        slots = block_tables[n, pos // block_size] * block_size + pos % block_size
-        write_kv_cache(keys[n], values[n], kv_cache, slots)
-    q = torch.randn(sum(new), NH, HD, generator=gen)
-    return q, kv_cache, block_tables, _cu(new), torch.tensor(totals), keys, values
+    return paged_kv_case(block_size, cached, new, seed, NH, NKV, HD, write_kv_cache)
 
 
 def _dense_reference(q, cu, keys, values, scale):
@@ -357,7 +326,7 @@ def test_paged_attention_batched_path_matches_per_sequence(block_size, qlen):
     o = paged_attention(q, kv_cache, bt, cu, seq_lens, scale=0.3)
     for n in range(4):
         s = slice(cu[n], cu[n + 1])
-        o_n = paged_attention(q[s], kv_cache, bt[n:n + 1], _cu([qlen]), seq_lens[n:n + 1], scale=0.3)
+        o_n = paged_attention(q[s], kv_cache, bt[n:n + 1], make_cu([qlen]), seq_lens[n:n + 1], scale=0.3)
         torch.testing.assert_close(o[s], o_n, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
 
@@ -375,9 +344,9 @@ def test_write_kv_cache_places_entries_and_skips_padding():
 
 def test_bf16_inputs_give_bf16_outputs_and_fp32_states():
     bf = torch.bfloat16
-    q, k, v, g, beta = _gdn_inputs(70, seed=30)
+    q, k, v, g, beta = gdn_inputs(70, seed=30)
     init = torch.zeros(2, 4, 16, 8)
-    cu = _cu([30, 40])
+    cu = make_cu([30, 40])
     o32, s32 = chunk_gated_delta_rule(q, k, v, g, beta, cu, init)
     o16, s16 = chunk_gated_delta_rule(q.to(bf), k.to(bf), v.to(bf), g, beta.to(bf), cu, init)
     assert o16.dtype == bf and s16.dtype == torch.float32
@@ -391,7 +360,7 @@ def test_bf16_inputs_give_bf16_outputs_and_fp32_states():
     assert o_rec.dtype == bf and pool.dtype == torch.float32
 
     x = torch.randn(7, 6).to(bf)
-    y, window = causal_conv1d_varlen(x, torch.randn(6, 4).to(bf), _cu([7]), torch.zeros(1, 6, 3, dtype=bf))
+    y, window = causal_conv1d_varlen(x, torch.randn(6, 4).to(bf), make_cu([7]), torch.zeros(1, 6, 3, dtype=bf))
     assert y.dtype == window.dtype == bf
 
     q_att, kv_cache, bt, cu_q, seq_lens, keys, values = _paged_setup(16, [3, 9], [2, 1], seed=31)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import TORCH, cu
+from kernel_cases import paged_kv_case
+from triton_cases import TORCH, make_cu
 
 from hybrid_engine.kernels import triton as tk
 
@@ -19,7 +20,7 @@ def test_conv_varlen_matches_torch(device):
     x = torch.randn(sum(lengths), D, generator=gen).to(device)
     weight = torch.randn(D, K, generator=gen).to(device)
     window = torch.randn(len(lengths), D, K - 1, generator=gen).to(device)
-    cu_seqlens = cu(lengths, device)
+    cu_seqlens = make_cu(lengths, device)
 
     y, final = tk.causal_conv1d_varlen(x, weight, cu_seqlens, window)
     y_ref, final_ref = TORCH["causal_conv1d_varlen"](x, weight, cu_seqlens, window)
@@ -73,24 +74,8 @@ NH, NKV, HD = 4, 2, 32
 
 def _paged_setup(block_size, cached, new, seed, device):
     """NaN-filled cache holding the sequences' keys in shuffled blocks; -1 table tails."""
-    gen = torch.Generator().manual_seed(seed)
-    totals = [c + n for c, n in zip(cached, new)]
-    need = [-(-L // block_size) for L in totals]
-    num_blocks = sum(need) + 3
-    kv_cache = torch.full((num_blocks, 2, block_size, NKV, HD), float("nan"))
-    block_ids = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.full((len(totals), max(need) + 1), -1, dtype=torch.int64)
-    start = 0
-    for n, L in enumerate(totals):
-        block_tables[n, :need[n]] = block_ids[start:start + need[n]]
-        start += need[n]
-        pos = torch.arange(L)
-        slots = block_tables[n, pos // block_size] * block_size + pos % block_size
-        TORCH["write_kv_cache"](torch.randn(L, NKV, HD, generator=gen), torch.randn(L, NKV, HD, generator=gen),
-                                kv_cache, slots)
-    q = torch.randn(sum(new), NH, HD, generator=gen)
-    return (q.to(device), kv_cache.to(device), block_tables.to(device), cu(new, device),
-            torch.tensor(totals, device=device))
+    case = paged_kv_case(block_size, cached, new, seed, NH, NKV, HD, TORCH["write_kv_cache"])
+    return tuple(x.to(device) for x in case[:5])
 
 
 @pytest.mark.parametrize("block_size, cached, new", [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import TORCH, cu, gdn_inputs
+from triton_cases import TORCH, gdn_inputs, make_cu
 
 from hybrid_engine.kernels import triton as tk
 
@@ -15,7 +15,7 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 def test_chunk_matches_torch(device, Hk, lengths):
     Hv, dk, dv = 4, 16, 8
     q, k, v, g, beta = gdn_inputs(sum(lengths), Hk, Hv, dk, dv, seed=1, device=device)
-    cu_seqlens = cu(lengths, device)
+    cu_seqlens = make_cu(lengths, device)
     init = 0.5 * torch.randn(len(lengths), Hv, dk, dv, generator=torch.Generator().manual_seed(2)).to(device)
     init_copy = init.clone()
 
@@ -32,7 +32,7 @@ def test_chunk_scale_without_l2norm(device):
     q, k, v, g, beta = gdn_inputs(40, seed=3, device=device)
     q, k = 0.3 * q, 0.3 * k
     init = torch.zeros(1, 4, 16, 8, device=device)
-    args = (q, k, v, g, beta, cu([40], device), init)
+    args = (q, k, v, g, beta, make_cu([40], device), init)
     o, final = tk.chunk_gated_delta_rule(*args, scale=0.7, use_qk_l2norm=False)
     o_ref, final_ref = TORCH["chunk_gated_delta_rule"](*args, scale=0.7, use_qk_l2norm=False)
     torch.testing.assert_close(o, o_ref, **TOL)
@@ -101,12 +101,12 @@ def test_decode_steps_continue_a_chunked_prefill(device):
     # prefill 20 tokens with fla's chunk kernel, then decode 3 one at a time from the pool
     q, k, v, g, beta = gdn_inputs(23, seed=10, device=device)
     pool = torch.zeros(3, 4, 16, 8, device=device)
-    _, state = tk.chunk_gated_delta_rule(q[:20], k[:20], v[:20], g[:20], beta[:20], cu([20], device), pool[1:2])
+    _, state = tk.chunk_gated_delta_rule(q[:20], k[:20], v[:20], g[:20], beta[:20], make_cu([20], device), pool[1:2])
     pool[1] = state[0]
     slot = torch.tensor([1], device=device)
     outs = [tk.recurrent_gated_delta_rule(q[t][None, None], k[t][None, None], v[t][None, None],
                                           g[t][None, None], beta[t][None, None], pool, slot, slot[:, None])
             for t in range(20, 23)]
-    o_ref, final_ref = TORCH["chunk_gated_delta_rule"](q, k, v, g, beta, cu([23], device), torch.zeros(1, 4, 16, 8, device=device))
+    o_ref, final_ref = TORCH["chunk_gated_delta_rule"](q, k, v, g, beta, make_cu([23], device), torch.zeros(1, 4, 16, 8, device=device))
     torch.testing.assert_close(torch.cat(outs, 1)[0], o_ref[20:], **TOL)
     torch.testing.assert_close(pool[1], final_ref[0], **TOL)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import TORCH, cu
+from triton_cases import TORCH, make_cu
 
 from hybrid_engine import kernels
 from hybrid_engine.kernels import triton as tk
@@ -36,7 +36,7 @@ def test_gdn_chunk_prefill_bf16():
     g = -torch.rand(T, HV, device="cuda") * 2
     beta = torch.rand(T, HV, device="cuda").to(BF)
     init = _randn(2, HV, DK, DV, scale=0.1, dtype=torch.float32)
-    cu_seqlens = cu(lengths, "cuda")
+    cu_seqlens = make_cu(lengths, "cuda")
     o, final = tk.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, init)
     o_ref, final_ref = TORCH["chunk_gated_delta_rule"](q, k, v, g, beta, cu_seqlens, init)
     assert o.dtype == BF and final.dtype == torch.float32
@@ -73,8 +73,8 @@ def test_conv_prefill_and_update_bf16():
     x = _randn(sum(lengths), CONV_DIM)
     w = _randn(CONV_DIM, K, scale=0.5)
     window = _randn(2, CONV_DIM, K - 1)
-    y, final = tk.causal_conv1d_varlen(x, w, cu(lengths, "cuda"), window)
-    y_ref, final_ref = TORCH["causal_conv1d_varlen"](x, w, cu(lengths, "cuda"), window)
+    y, final = tk.causal_conv1d_varlen(x, w, make_cu(lengths, "cuda"), window)
+    y_ref, final_ref = TORCH["causal_conv1d_varlen"](x, w, make_cu(lengths, "cuda"), window)
     assert _rel(y, y_ref) < 1e-2 and torch.equal(final, final_ref)
 
     B, T = 64, 3
@@ -106,7 +106,7 @@ def test_paged_attention_bf16(new):
         pos = torch.arange(L, device="cuda")
         tk.write_kv_cache(_randn(L, NKV, HD), _randn(L, NKV, HD), kv_cache, bt[n, pos // block_size] * block_size + pos % block_size)
     q = _randn(sum(new), NH, HD)
-    cu_q, seq_lens = cu(new, "cuda"), torch.tensor(totals, device="cuda")
+    cu_q, seq_lens = make_cu(new, "cuda"), torch.tensor(totals, device="cuda")
     o = tk.paged_attention(q, kv_cache, bt, cu_q, seq_lens, HD ** -0.5)
     o_ref = TORCH["paged_attention"](q, kv_cache, bt, cu_q, seq_lens, HD ** -0.5)
     assert _rel(o, o_ref) < 2e-2
