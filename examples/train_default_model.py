@@ -54,20 +54,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from hybrid_engine.tokenizer import QWEN35_EOS_TOKEN, train_qwen35_bpe  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "hybrid_engine" / "assets" / "default_model"
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-EOS_TOKEN = "<|endoftext|>"
-# Qwen3.5's pre-tokenizer regex (the one transformers' Qwen3_5Tokenizer uses).
-QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 EVAL_PROMPTS = ("def ", "import os\n", "class ", "    def __init__(self", "for i in range(",
                 "if __name__ == '__main__':\n", "    return ", "try:\n    ")
 
@@ -110,22 +101,7 @@ def read_texts(files: list[Path]) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE with the Qwen3.5 pre-tokenizer; returns a transformers fast tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                                   chat_template=CHAT_TEMPLATE)
+    return train_qwen35_bpe(texts, vocab_size)
 
 
 def encode_corpus(tok, texts: list[str], eos_id: int) -> torch.Tensor:
@@ -418,7 +394,7 @@ def main(argv=None):
         f"{len(held_texts)} held-out files ({sum(map(len, held_texts)) / 1e6:.2f} MB)")
     t0 = time.time()
     tok = train_tokenizer(train_texts, args.vocab)
-    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+    eos_id = tok.convert_tokens_to_ids(QWEN35_EOS_TOKEN)
     train_ids = encode_corpus(tok, train_texts, eos_id)
     held_ids = encode_corpus(tok, held_texts, eos_id)
     log(f"tokenizer: vocab {len(tok)}, eos {eos_id}; train {len(train_ids) / 1e6:.2f}M tokens "

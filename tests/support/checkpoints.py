@@ -52,17 +52,6 @@ ROPE = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)
 TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-EOS_TOKEN = "<|endoftext|>"
-QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 # ---- model ---------------------------------------------------------------------------------------
 
@@ -446,27 +435,11 @@ def save_tokenizer(folder: str | Path, vocab_size: int = 256) -> int:
 
     With vocab_size >= 512 the alphabet is all 256 bytes (lossless for any text); below that it
     covers the printable ASCII characters only (other characters are dropped when encoding)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from hybrid_engine.tokenizer import QWEN35_EOS_TOKEN, train_qwen35_bpe
 
     # The same normalizer / pre-tokenizer / decoder as transformers' Qwen3_5Tokenizer, which
     # AutoTokenizer picks for qwen3_5 folders: both ways of loading then encode identically.
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet() if vocab_size >= 512 else []
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus().splitlines(keepends=True), trainer=trainer)
-    assert tok.get_vocab_size() <= vocab_size
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, chat_template=CHAT_TEMPLATE,
-    )
+    fast = train_qwen35_bpe(_corpus().splitlines(keepends=True), vocab_size, byte_alphabet=vocab_size >= 512)
+    assert fast.backend_tokenizer.get_vocab_size() <= vocab_size
     fast.save_pretrained(str(folder))
-    return tok.token_to_id(EOS_TOKEN)
+    return fast.convert_tokens_to_ids(QWEN35_EOS_TOKEN)
