@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_engine.models import ForwardBatch
-from hybrid_engine.state_cache import HybridCacheManager
+from hybrid_engine.state_cache import HybridCacheManager, kv_slots
 
 from .request import Request
 from .scheduler import ScheduledBatch
@@ -179,13 +179,3 @@ class StepInputBuilder:
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_len=decode_len,
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
-
-
-def kv_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat KV slots (block * block_size + offset) of positions start..end-1: one range per block."""
-    slots = []
-    for b in range(start // block_size, (end - 1) // block_size + 1):
-        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
-        base = block_table[b] * block_size - b * block_size
-        slots.extend(range(base + lo, base + hi))
-    return slots

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_engine.models import ForwardBatch, HybridForCausalLM
-from hybrid_engine.state_cache import HybridCacheManager
+from hybrid_engine.state_cache import HybridCacheManager, kv_slots
 
 
 @dataclass
@@ -93,7 +93,7 @@ class MTPDrafter:
             table = self.cache.get(rid).block_table
             pos = range(start, start + n)
             positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            slots.extend(kv_slots(table, start, start + n, bs))
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
             tables.append(table[:(start + n + bs - 1) // bs])        # the blocks attention reads

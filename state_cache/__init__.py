@@ -1,6 +1,6 @@
 """All cache memory: paged KV blocks, GDN state slots, and the manager that owns both."""
 
-from .block_allocator import BlockAllocator
+from .block_allocator import BlockAllocator, kv_slots
 from .errors import CacheCapacityError
 from .hybrid_cache import HybridCacheManager, RequestCache
 from .slot_allocator import SlotAllocator
@@ -13,4 +13,5 @@ __all__ = [
     "HybridCacheManager",
     "RequestCache",
     "SlotAllocator",
+    "kv_slots",
 ]
