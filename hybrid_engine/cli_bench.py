@@ -121,8 +121,11 @@ def _load_and_warm_up(args, ks: list[int], raw: list, params, bar) -> tuple[dict
             if llms[0].tokenizer is None and not args.prompts:
                 raise CLIError("the model has no tokenizer: give token-id prompts with --prompts FILE.jsonl")
             prompts = encode_prompts(llms[0], raw)
-        llms[k].generate(prompts[:args.batch_size], replace(params, max_tokens=min(params.max_tokens, 8)),
-                         use_tqdm=False)
+        if args.torch_compile:      # one whole untimed run: every compiled shape gets made here
+            llms[k].generate(prompts, params, use_tqdm=False)
+        else:
+            llms[k].generate(prompts[:args.batch_size], replace(params, max_tokens=min(params.max_tokens, 8)),
+                             use_tqdm=False)
         bar.update(1)
     return llms, prompts
 

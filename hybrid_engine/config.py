@@ -20,6 +20,10 @@ class EngineConfig:
     # CUDA only: False captures decode/verify steps as CUDA graphs at start-up (vLLM's flag).
     enforce_eager: bool = False
     cuda_graph_batch_sizes: list[int] | None = None   # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
+    # torch.compile the decode / verify forwards and MTP drafting (hybrid_engine/compiled_steps.py):
+    # faster steps after tens of seconds of compiling (SGLang's --enable-torch-compile). Off
+    # where CUDA graphs already take those steps.
+    enable_torch_compile: bool = False
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -33,8 +37,9 @@ class EngineConfig:
         if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
                                                     or self.cache_memory_bytes <= 0):
             raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_torch_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None and (not isinstance(sizes, (list, tuple)) or not sizes or not all(
                 isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):

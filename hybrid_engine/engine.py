@@ -13,6 +13,7 @@ from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, HybridCacheManager
 
 from .config import EngineConfig
+from .compiled_steps import CompiledSteps
 from .decode_graphs import DecodeGraphs, default_buckets, graphs_supported
 from .model_runner import ModelRunner
 from .outputs import Prefix, RequestOutput
@@ -93,8 +94,10 @@ class LLMEngine:
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device)
-        self.runner = ModelRunner(self.model, self.cache, self._decode_graphs(max_blocks_per_seq))
-        self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size) if k else None
+        graphs = self._decode_graphs(max_blocks_per_seq)
+        compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
+        self.runner = ModelRunner(self.model, self.cache, graphs, compiled)
+        self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

@@ -7,20 +7,25 @@ import torch
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.state_cache import HybridCacheManager
 
+from .compiled_steps import CompiledSteps
 from .decode_graphs import DecodeGraphs
 from .step_inputs import StepInputs
 
 
 class ModelRunner:
     """decode_graphs: when given (CUDA, hybrid_engine/decode_graphs.py), pure decode and
-    verify steps of a captured batch size replay a graph; every other step runs eagerly."""
+    verify steps of a captured batch size replay a graph. compiled: when given
+    (hybrid_engine/compiled_steps.py), pure decode and verify steps run torch.compile'd.
+    Every other step runs eagerly."""
 
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, compiled: CompiledSteps | None = None):
         self.model = model
         self.cache = cache
         self.decode_graphs = decode_graphs
-        model.pack_weights()        # CPU bf16/fp16: oneDNN's weight layout (models/linear.py)
+        self.compiled = compiled
+        if compiled is None:        # compiled steps pack their own (inductor's freezing)
+            model.pack_weights()    # CPU bf16/fp16: oneDNN's weight layout (models/linear.py)
         if decode_graphs is not None:
             with torch.inference_mode():
                 decode_graphs.capture()      # after packing: graphs hold the final weight tensors
@@ -32,5 +37,7 @@ class ModelRunner:
         static outputs: consumed within the step."""
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
             return self.decode_graphs.run(inputs)
+        if self.compiled is not None and self.compiled.handles(inputs.batch):
+            return self.compiled.run(inputs.input_ids, inputs.batch, self.cache)
         hidden = self.model(inputs.input_ids, inputs.batch, self.cache)
         return hidden, self.model.compute_logits(hidden[inputs.batch.logits_indices]).float()

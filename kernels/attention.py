@@ -46,6 +46,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if N == 0 or T == 0:
         return q.new_empty(q.shape)
     Q = T // N
+    if torch.compiler.is_compiling():
+        # Traced steps (hybrid_engine/compiled_steps.py) have equal query lengths and may not
+        # read anything back to the host: keys span the block table's width, masked by length.
+        return _attend_equal_qlen(q.reshape(N, Q, nh, hd), kv_cache, block_tables, seq_lens, scale,
+                                  key_len=block_tables.shape[1] * kv_cache.shape[2]).reshape(T, nh, hd)
     if Q * N == T and (N == 1 or int(cu_seqlens_q.diff().max()) == Q):   # N * Q tokens, no run above Q
         return _attend_equal_qlen(q.reshape(N, Q, nh, hd), kv_cache, block_tables, seq_lens, scale
                                   ).reshape(T, nh, hd)
@@ -61,22 +66,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 
 def _attend_equal_qlen(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [N, Q, nh, hd], every sequence with Q new tokens -> o: [N, Q, nh, hd]."""
+                       seq_lens: torch.Tensor, scale: float, key_len: int | None = None) -> torch.Tensor:
+    """q: [N, Q, nh, hd], every sequence with Q new tokens -> o: [N, Q, nh, hd]. key_len: how
+    many key positions to gather (at least max(seq_lens)); None: exactly max(seq_lens)."""
     N, Q, nh, hd = q.shape
     nkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    max_len = max(seq_lens.tolist())                                    # a read-back, no op dispatched
+    exact = key_len is None
+    max_len = max(seq_lens.tolist()) if exact else key_len              # a read-back, no op dispatched
     key_pos = torch.arange(max_len, device=q.device)
     # Positions past a sequence's length re-read its last key: every gathered slot then belongs
     # to the sequence (block-table tails may hold garbage ids, unwritten slots may hold NaN,
     # and NaN * 0 would still poison the output), and the mask below hides them. A single
     # sequence has none.
-    pos = key_pos[None] if N == 1 else torch.minimum(key_pos, (seq_lens - 1)[:, None])   # [N, L]
+    pos = key_pos[None] if N == 1 and exact else torch.minimum(key_pos, (seq_lens - 1)[:, None])   # [N, L]
     blocks = block_tables.gather(1, pos // block_size)
     k, v = kv_cache[blocks, :, pos % block_size].float().transpose(1, 3).unbind(2)  # [N, nkv, L, hd]
     # One sequence decoding one token sees all max_len keys: no mask to build.
     mask = None
-    if N > 1 or Q > 1:
+    if N > 1 or Q > 1 or not exact:
         q_pos = (seq_lens - Q)[:, None] + torch.arange(Q, device=q.device)   # [N, Q]
         mask = (key_pos <= q_pos[:, :, None])[:, None]                      # [N, 1, Q, L]
     o = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k, v, attn_mask=mask,

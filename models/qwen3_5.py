@@ -55,6 +55,14 @@ class HybridForCausalLM(nn.Module):
             x = layer(x, batch, caches, rope)
         return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
 
+    def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                    caches: LayerCaches) -> torch.Tensor:
+        """One MTP pass (models/mtp.py): tokens [T] (token t+1), hidden [T, H] (the target's
+        final-normed h_t) -> the MTP layer's final-normed hidden [T, H]."""
+        embeds = self.embed_tokens(tokens)
+        rope = self.rope(batch.positions, embeds.dtype)
+        return self.mtp(embeds, hidden.to(embeds.dtype), batch, caches, rope)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head_weight() if self.packed_lm_head is None else self.packed_lm_head
         return linear(hidden, weight)

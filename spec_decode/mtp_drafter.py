@@ -33,7 +33,7 @@ class CatchUp:
 
 class MTPDrafter:
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager, num_speculative_tokens: int,
-                 block_size: int):
+                 block_size: int, compiled=None):
         if model.mtp is None:
             raise ValueError("speculative decoding with method 'mtp' needs a checkpoint with mtp.* "
                              "weights; this one has none")
@@ -41,6 +41,7 @@ class MTPDrafter:
         self.cache = cache
         self.k = num_speculative_tokens
         self.block_size = block_size
+        self.compiled = compiled        # hybrid_engine.compiled_steps.CompiledSteps or None
         self.device = model.embed_tokens.weight.device
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._no_flags = torch.zeros(0, dtype=torch.bool, device=self.device)
@@ -53,33 +54,39 @@ class MTPDrafter:
         segs = [(c.request_id, c.start, len(c.next_tokens)) for c in catchups]
         tokens = self._tensor([t for c in catchups for t in c.next_tokens])
         hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
-        h = self._forward(tokens, hidden, segs)
         drafting = [i for i, c in enumerate(catchups) if c.draft]
+        ends = segs_end_rows(segs)
+        h_last, draft = self._pass(tokens, hidden, segs, [ends[i] for i in drafting])
         if not drafting:
             return {}
-        ends = segs_end_rows(segs)
-        rows = [ends[i] for i in drafting]
-        h_last = h[rows[0]:rows[0] + 1] if len(rows) == 1 else h.index_select(0, self._tensor(rows))
-        draft = self._greedy(h_last)
         drafts = [draft]
         ids = [catchups[i].request_id for i in drafting]
         pos = [catchups[i].start + len(catchups[i].next_tokens) - 1 for i in drafting]
         for _ in range(self.k - 1):
             pos = [p + 1 for p in pos]
-            h_last = self._forward(draft, h_last, [(rid, p, 1) for rid, p in zip(ids, pos)])
-            draft = self._greedy(h_last)
+            h_last, draft = self._pass(draft, h_last, [(rid, p, 1) for rid, p in zip(ids, pos)], None)
             drafts.append(draft)
         stacked = torch.stack(drafts, dim=1).tolist()
         return dict(zip(ids, stacked))
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).max(dim=-1).indices     # cheaper than argmax on CPU
-
-    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, segs: list[tuple[str, int, int]]) -> torch.Tensor:
+    def _pass(self, tokens: torch.Tensor, hidden: torch.Tensor, segs: list[tuple[str, int, int]],
+              rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One MTP pass over segs -> (its output hidden at `rows`, None: at every row; the
+        greedy token from each of those, None when rows is empty)."""
         batch = self._batch(segs)
-        embeds = self.model.embed_tokens(tokens)
-        rope = self.model.rope(batch.positions, embeds.dtype)
-        return self.model.mtp(embeds, hidden.to(embeds.dtype), batch, self.cache, rope)
+        n = segs[0][2]
+        # Compiled passes are decode-sized (a prompt's catch-up is not) with segments of one
+        # length (attention then needs no per-length split), and draft from some row.
+        if (self.compiled is not None and rows != [] and n <= self.k + 1
+                and all(m == n for _, _, m in segs)):
+            index = None if rows is None else self._tensor(rows)
+            return self.compiled.run_mtp(tokens, hidden, batch, self.cache, index)
+        h = self.model.mtp_forward(tokens, hidden, batch, self.cache)
+        if rows is not None:
+            if not rows:
+                return h[:0], None
+            h = h[rows[0]:rows[0] + 1] if len(rows) == 1 else h.index_select(0, self._tensor(rows))
+        return h, self.model.compute_logits(h).max(dim=-1).indices     # max: cheaper than argmax on CPU
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

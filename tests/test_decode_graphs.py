@@ -4,8 +4,6 @@ and the eager fallback actually used. (Capture itself needs CUDA: tests/triton.)
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from hybrid_engine.decode_graphs import DecodeGraphs, default_buckets
 from hybrid_engine.model_runner import ModelRunner
 
 from spec_models import make_spec_checkpoint
+from staggered import run_staggered, staggered_workload
 
 BUCKETS = [2, 4]
 
@@ -32,28 +31,6 @@ def _engine(ckpt, k, graphs: bool):
         engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
             engine.model, engine.cache, [1, 1 + k], BUCKETS, max_blocks, "cpu", capture=False))
     return engine
-
-
-def _workload(seed=0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 30))] for _ in range(6)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(3, 20), ignore_eos=True) for _ in range(5)]
-    params.append(SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True))
-    arrivals = [0, 0, 1, 3, 3, 9]
-    return prompts, params, arrivals
-
-
-def _run(engine, prompts, params, arrivals):
-    outs, step = {}, 0
-    while len(outs) < len(prompts):
-        for i, t in enumerate(arrivals):
-            if t == step:
-                engine.add_request(prompts[i], params[i], request_id=str(i))
-        for o in engine.step():
-            if o.finished:
-                outs[int(o.request_id)] = o.token_ids
-        step += 1
-    return [outs[i] for i in range(len(prompts))]
 
 
 class _Checked:
@@ -87,11 +64,11 @@ class _Checked:
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_padded_graph_steps_match_eager_tokens(ckpt, k):
-    prompts, params, arrivals = _workload()
-    reference = _run(_engine(ckpt, k, graphs=False), prompts, params, arrivals)
+    prompts, params, arrivals = staggered_workload()
+    reference = [o.token_ids for o in run_staggered(_engine(ckpt, k, graphs=False), prompts, params, arrivals)]
     engine = _engine(ckpt, k, graphs=True)
     checked = _Checked(engine.runner.decode_graphs, engine.cache)
-    assert _run(engine, prompts, params, arrivals) == reference
+    assert [o.token_ids for o in run_staggered(engine, prompts, params, arrivals)] == reference
     used = {(L, bucket) for L, _, bucket in checked.seen}
     assert (1 + k, 2) in used and (1 + k, 4) in used
     assert any(n < bucket for _, n, bucket in checked.seen if bucket), "no step was padded"

@@ -47,6 +47,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     B, T, Hv, dv = v.shape
     kq = normalize_kq(q, k, Hv, scale, use_qk_l2norm)                # [B, T, Hv, 2, dk]: k, scaled q
     decay = g.float().exp()
+    if torch.compiler.is_compiling():      # no read-back of the slots: the general form
+        return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
     read = read_slots.tolist()
     plain = T == 1 and [row[0] for row in write_slots.tolist()] == read   # each row back to its slot
     if plain and state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES:
@@ -108,4 +110,6 @@ def _per_token(x: torch.Tensor, *shape: int) -> list[torch.Tensor]:
     """x: [B, T, ...] -> T tensors, each token's slice reshaped to `shape`."""
     if x.shape[1] == 1:
         return [x.reshape(shape)]
+    if torch.compiler.is_compiling():    # comparing symbolic shapes would specialise on batch size 1
+        return [x_t.reshape(shape) for x_t in x.unbind(1)]
     return [x_t if x_t.shape == shape else x_t.reshape(shape) for x_t in x.unbind(1)]

@@ -1,0 +1,86 @@
+"""torch.compile'd decode and verify forwards and MTP passes (opt-in: EngineConfig.enable_torch_compile).
+
+On CPU a decode step of a small model is hundreds of small torch ops (norms, gates, the GDN
+state update, conv taps, rope), each costing a few microseconds of dispatch for very little
+arithmetic. Inductor fuses them into a few C++ loops around the matmuls, which roughly halves
+a step of the default model. What it costs: compiling at the first steps of each kind (tens of
+seconds per graph on a 2-core machine; inductor caches them on disk across processes).
+
+What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
+decode_len k+1) and the MTP drafter's decode-sized passes (spec_decode/mtp_drafter.py), never
+padded. Under tracing the kernels take their paths that read nothing back to the host
+(kernels/attention.py, kernels/slot_pool.py, kernels/gdn/recurrent.py); those assume equal
+segment lengths and no padding slots, which is what these steps have. Prefill and mixed steps
+stay eager: their shapes change every step.
+
+Shapes: the token, request and block-table-width dims are marked dynamic and traced with
+size-oblivious reasoning (no specialisation on sizes 0 and 1 where it can be avoided), so a
+few graphs serve every batch: one per decode_len and MTP pass kind, plus a batch-1 variant
+where an op forces one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from hybrid_engine.models import HybridForCausalLM
+from hybrid_engine.models.batch import ForwardBatch, LayerCaches
+
+# Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
+# the rope frequencies) and warns each time; what they return depends only on their arguments.
+warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
+
+
+class CompiledSteps:
+    def __init__(self, model: HybridForCausalLM):
+        self.model = model
+        self._decode = torch.compile(self._decode_forward)
+        self._mtp = torch.compile(self._mtp_pass) if model.mtp is not None else None
+
+    @staticmethod
+    def handles(batch: ForwardBatch) -> bool:
+        return batch.num_prefill_tokens == 0
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode or verify step -> (final-normed hidden [T, H], float32 logits of the
+        batch's logits_indices rows), as ModelRunner.forward returns them."""
+        _mark_dynamic(input_ids, batch)
+        with fx_config.patch(backed_size_oblivious=True):
+            return self._decode(input_ids, batch, caches)
+
+    def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MTP pass (HybridForCausalLM.mtp_forward) over segments of one length -> (its
+        output hidden at `rows`, None: every row; the greedy token from each of those)."""
+        _mark_dynamic(tokens, batch)
+        torch._dynamo.maybe_mark_dynamic(hidden, 0)
+        if rows is not None:
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+        with fx_config.patch(backed_size_oblivious=True):
+            return self._mtp(tokens, hidden, batch, caches, rows)
+
+    def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(input_ids, batch, caches)
+        return hidden, self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    def _mtp_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                  caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.mtp_forward(tokens, hidden, batch, caches)
+        if rows is not None:
+            h = h[rows]
+        return h, self.model.compute_logits(h).max(dim=-1).indices
+
+
+def _mark_dynamic(tokens: torch.Tensor, batch: ForwardBatch) -> None:
+    """Marks the per-token and per-request dims dynamic (the marks live on these tensor objects,
+    which are new views every step, so every call marks them; a mark costs about a microsecond)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (tokens, batch.positions, batch.slot_mapping, batch.cu_seqlens, batch.seq_lens, batch.state_slots,
+              batch.has_initial_state, batch.state_write_slots, batch.logits_indices, batch.block_tables):
+        mark(t, 0)
+    mark(batch.block_tables, 1)

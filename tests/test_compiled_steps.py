@@ -1,0 +1,89 @@
+"""enable_torch_compile (hybrid_engine/compiled_steps.py): decode, verify and MTP passes run
+through torch.compile give the eager engine's tokens and (within float32 rounding) logprobs,
+batches of every size reuse the graphs made for the first ones, and nothing leaks.
+
+Compiling takes a while on 2 cores (a few graphs of a 2-layer model, about a minute in all),
+so the engines here are module-scoped and shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_engine import EngineConfig, LLMEngine
+from hybrid_engine.compiled_steps import CompiledSteps
+
+from spec_models import make_spec_checkpoint
+from staggered import run_staggered, staggered_workload
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_spec_checkpoint(tmp_path_factory.mktemp("compiled"), "qwen3_5", embed_scale=1.6))
+
+
+def _engine(ckpt, k: int, compiled: bool) -> LLMEngine:
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    return LLMEngine(EngineConfig(model=ckpt, dtype="float32", max_num_seqs=6, block_size=4,
+                                  max_num_batched_tokens=64, speculative_config=spec,
+                                  enable_torch_compile=compiled))
+
+
+class _Counted:
+    """Counts the calls that went through the compiled functions, by batch size."""
+
+    def __init__(self, compiled: CompiledSteps):
+        self.decode, self.mtp = [], []
+        run, run_mtp = compiled.run, compiled.run_mtp
+
+        def counted_run(input_ids, batch, caches):
+            self.decode.append((batch.decode_len, batch.num_decodes))
+            return run(input_ids, batch, caches)
+
+        def counted_mtp(tokens, hidden, batch, caches, rows):
+            self.mtp.append(batch.seq_lens.numel())
+            return run_mtp(tokens, hidden, batch, caches, rows)
+
+        compiled.run, compiled.run_mtp = counted_run, counted_mtp
+
+
+@pytest.fixture(scope="module")
+def eager_runs(ckpt):
+    """Reference outputs of the eager engine, without and with MTP (k=2), for two workloads."""
+    return {(k, seed): run_staggered(_engine(ckpt, k, False), *staggered_workload(seed, logprobs=0))
+            for k in (0, 2) for seed in (0, 1)}
+
+
+def _unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_compiled_steps_match_eager(ckpt, eager_runs, k):
+    engine = _engine(ckpt, k, True)
+    assert engine.runner.compiled is not None
+    counted = _Counted(engine.runner.compiled)
+    for seed in (0, 1):
+        graphs_before = _unique_graphs()
+        outs = run_staggered(engine, *staggered_workload(seed, logprobs=0))
+        same_k, plain = eager_runs[(k, seed)], eager_runs[(0, seed)]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in same_k]
+        # Greedy speculation gives the plain greedy tokens (the sampled last request may not).
+        assert [o.token_ids for o in outs[:5]] == [o.token_ids for o in plain[:5]]
+        for out, ref in zip(outs, same_k):
+            got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+            want = [lp[t] for lp, t in zip(ref.logprobs, ref.token_ids)]
+            assert got == pytest.approx(want, abs=2e-5)
+        if seed == 1:    # the first workload made every graph: batch sizes 1..6, all block-table widths
+            assert _unique_graphs() == graphs_before
+    assert {n for _, n in counted.decode} >= {1, 2, 3}, "compiled decode steps of several batch sizes"
+    assert {L for L, _ in counted.decode} == {1 + k}
+    if k:
+        assert len(counted.mtp) > 0
+    assert engine.cache.num_free_slots == engine.cache.num_slots
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+
+
+def test_compile_option_is_validated():
+    with pytest.raises(ValueError, match="enable_torch_compile"):
+        EngineConfig(enable_torch_compile="yes").validate()
