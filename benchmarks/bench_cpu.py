@@ -10,7 +10,9 @@ The tiny model is the packaged default model (hybrid_engine/assets/default_model
 random checkpoint (about 3 GB, float32) is written once to --cache-dir. Both engines load the
 same files (the bfloat16 runs cast at load time).
 
-Per engine, medians of --runs:
+Engines: ours (eager), compiled (ours with enable_torch_compile: decode, verify and MTP passes
+through torch.compile; its warm-up compiles, and the JSON's warmup_s says how long that took) and
+hf (transformers). Per engine, medians of --runs:
 - prefill tokens/s: one 512-token prompt, one new token;
 - decode tokens/s at batch 1 and aggregate at batch 4/16/32: each request a 32-token prompt,
   then greedy tokens with EOS ignored; the prefill step is excluded (ours: the steps after the
@@ -103,11 +105,11 @@ def engine_prefill(engine, vocab: int, seed: int = 1) -> dict:
     return {"tok_s": PREFILL_LEN / (time.perf_counter() - t0)}
 
 
-def make_engine(folder: str, dtype: str, max_batch: int):
+def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False):
     from hybrid_engine import LLM
     return LLM(model=folder, dtype=dtype, max_num_seqs=max_batch,
                max_num_batched_tokens=max(2048, max_batch * DECODE_PROMPT_LEN),
-               max_model_len=MAX_MODEL_LEN).engine
+               max_model_len=MAX_MODEL_LEN, enable_torch_compile=compile).engine
 
 
 def hf_generate(model, ids, new_tokens: int, timer: ForwardTimer) -> float:
@@ -154,8 +156,8 @@ def run_child(job: dict) -> dict:
         return mtp_bench(job)
     vocab = job["vocab"]
     t0 = time.perf_counter()
-    if job["engine"] == "ours":
-        engine = make_engine(job["folder"], job["dtype"], max(job["batches"]))
+    if job["engine"] in ("ours", "compiled"):
+        engine = make_engine(job["folder"], job["dtype"], max(job["batches"]), job["engine"] == "compiled")
         prefill = lambda: engine_prefill(engine, vocab)
         decode = lambda b, n: engine_decode(engine, b, n, vocab)
     else:
@@ -169,7 +171,11 @@ def run_child(job: dict) -> dict:
         decode = lambda b, n: hf_decode(model, timer, b, n, vocab)
     load_s = time.perf_counter() - t0
     rss_loaded = peak_rss_gb()
+    t0 = time.perf_counter()
     decode(1, 2)                                    # warm-up: first-call allocations, lazy inits
+    if job["engine"] == "compiled":                 # compiles the batch-1 and the any-batch graphs
+        decode(1, 4), decode(2, 4)
+    warmup_s = time.perf_counter() - t0
     runs: dict[str, list[dict]] = {}
     for _ in range(job["runs"]):
         if job["prefill"]:
@@ -180,6 +186,7 @@ def run_child(job: dict) -> dict:
               for key, rs in runs.items()}
     result["runs"] = runs
     result["load_s"] = load_s
+    result["warmup_s"] = warmup_s
     result["rss_after_load_gb"] = rss_loaded
     result["peak_rss_gb"] = peak_rss_gb()
     return result
@@ -275,7 +282,7 @@ def mtp_bench(job: dict) -> dict:
     from hybrid_engine.cli import main as cli_main
     out = Path(tempfile.mkdtemp()) / "mtp.json"
     argv = ["bench", "--model", job["folder"], "--dtype", job["dtype"], "--max-k", "3",
-            "--repeats", str(job["runs"]), "--json", str(out)]
+            "--repeats", str(job["runs"]), "--json", str(out)] + (["--torch-compile"] if job["compiled"] else [])
     if cli_main(argv) != 0:
         raise RuntimeError(f"hybrid-engine {' '.join(argv)} failed")
     report = json.loads(out.read_text())
@@ -293,6 +300,7 @@ def print_table(results: list[dict], batches: list[int], bandwidth: dict, thread
     head = ["model", "dtype", "engine", "prefill512 t/s"] + [f"b{b} t/s" for b in batches] + \
            [f"out b{b}" for b in batches if b in (1, 16)] + ["roofline", "peak RSS GB", "MTP k1/k2/k3", "load"]
     widths = [max(len(h), 6) for h in head]
+    widths[2] = len("compiled/hf")
     print(f"\nthreads {threads} (OMP_WAIT_POLICY {results[0]['omp_wait_policy'] if results else '-'}); read bandwidth {bandwidth['gb_s']:.1f} GB/s "
           f"(best probe of {', '.join(f'{k} {v:.1f}' for k, v in bandwidth['by_probe_gb_s'].items())})")
     print(fmt_row(head, widths))
@@ -307,7 +315,7 @@ def print_table(results: list[dict], batches: list[int], bandwidth: dict, thread
             if ref is not None:
                 return f"{x / ref[key][field]:.2f}x" if key in ref else "-"
             return f"{x:.1f}" if x < 1000 else f"{x:.0f}"
-        cells = [r["model"], r["dtype"], "ours/hf" if ref else r["engine"], val("prefill")]
+        cells = [r["model"], r["dtype"], f"{r['engine']}/hf" if ref else r["engine"], val("prefill")]
         cells += [val(f"decode_b{b}") for b in batches]
         cells += ["-" if ref or f"decode_b{b}" not in r else f"{100 * r[f'decode_b{b}']['outside_share']:.1f}%"
                   for b in batches if b in (1, 16)]
@@ -321,16 +329,18 @@ def print_table(results: list[dict], batches: list[int], bandwidth: dict, thread
 
     for r in results:
         print(row(r))
-        ours = by_key.get((r["model"], r["dtype"], "ours"))
-        if r["engine"] == "hf" and ours is not None:
-            print(row(ours, ref=r))
+        if r["engine"] == "hf":
+            for engine in ("ours", "compiled"):
+                if (r["model"], r["dtype"], engine) in by_key:
+                    print(row(by_key[r["model"], r["dtype"], engine], ref=r))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=["tiny", "0.8b"], default=["tiny", "0.8b"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--engines", default="ours,hf")
+    ap.add_argument("--engines", default="ours,compiled,hf",
+                    help="ours: eager; compiled: ours with enable_torch_compile; hf: transformers generate")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=3)
@@ -367,9 +377,9 @@ def main() -> None:
                 r = spawn(job)
                 r.update(engine=engine, model=name, dtype=dtype, new_tokens=new_tokens, omp_wait_policy=args.omp_wait_policy,
                          bytes_per_step=step_bytes)
-                if engine == "ours" and name == "tiny":
-                    print(f"running hybrid-engine bench (MTP k=1..3) {name} {dtype} ...", flush=True)
-                    r["mtp"] = spawn(dict(job, engine="mtp"))
+                if engine in ("ours", "compiled") and name == "tiny":
+                    print(f"running hybrid-engine bench (MTP k=1..3) {name} {dtype} {engine} ...", flush=True)
+                    r["mtp"] = spawn(dict(job, engine="mtp", compiled=engine == "compiled"))
                 if "decode_b1" in r:
                     roofline_ms = 1e3 * step_bytes["total"] / (bandwidth["gb_s"] * 1e9)
                     r["roofline_step_ms"] = roofline_ms

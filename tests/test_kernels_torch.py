@@ -95,21 +95,29 @@ def _recurrent_case(B, T, seed):
     return q, k, v, g, beta, pool
 
 
-@pytest.mark.parametrize("in_place_min_bytes", [0, None])  # 0: large-state path on tiny states
+def traced(op):
+    """op under torch.compile, tracing only (backend="eager": no inductor, fast) and in one
+    graph: the op takes its paths for compiled steps, which must read nothing back to the host."""
+    return torch.compile(op, backend="eager", fullgraph=True, dynamic=False)
+
+
+# small: tiny states; large: the large-state (in place) path forced on them; traced: under torch.compile
+@pytest.mark.parametrize("path", ["small", "large", "traced"])
 @pytest.mark.parametrize("read, write", [
     ([4, 0, 7], [[4], [0], [7]]),                      # plain decode: in place
     ([4, 0, 7], [[0], [7], [4]]),                      # each row writes another row's read slot
     ([4, 0, 7], [[1, 2, 3], [5, 6, 8], [9, 10, 7]]),   # verify: one slot per draft position
 ])
-def test_recurrent_pool_matches_naive(read, write, in_place_min_bytes, monkeypatch):
-    if in_place_min_bytes is not None:
-        monkeypatch.setattr(recurrent_module, "IN_PLACE_MIN_BYTES", in_place_min_bytes)
+def test_recurrent_pool_matches_naive(read, write, path, monkeypatch):
+    if path == "large":
+        monkeypatch.setattr(recurrent_module, "IN_PLACE_MIN_BYTES", 0)
     read, write = torch.tensor(read), torch.tensor(write)
     B, T = write.shape
     q, k, v, g, beta, pool = _recurrent_case(B, T, seed=5)
     before = pool.clone()
 
-    o = recurrent_gated_delta_rule(q, k, v, g, beta, pool, read, write)
+    op = traced(recurrent_gated_delta_rule) if path == "traced" else recurrent_gated_delta_rule
+    o = op(q, k, v, g, beta, pool, read, write)
 
     assert o.shape == v.shape
     for b in range(B):
@@ -316,6 +324,15 @@ def test_paged_attention_mixed_batch_matches_dense(block_size):
     q, kv_cache, bt, cu, seq_lens, keys, values = _paged_setup(block_size, cached, new, seed=20)
     o = paged_attention(q, kv_cache, bt, cu, seq_lens, scale=HD ** -0.5)
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, HD ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size, qlen, n", [(1, 1, 4), (16, 1, 4), (16, 3, 4), (16, 1, 1), (4, 2, 1)])
+def test_paged_attention_traced_path_matches_dense(block_size, qlen, n):
+    """Under torch.compile keys are gathered over the block table's whole width and masked by
+    length (no read-back of the lengths); the table's tails hold -1 and the cache NaN."""
+    q, kv_cache, bt, cu, seq_lens, keys, values = _paged_setup(block_size, [0, 20, 47, 5][:n], [qlen] * n, seed=22)
+    o = traced(paged_attention)(q, kv_cache, bt, cu, seq_lens, 0.3)
+    torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size, qlen", [(1, 1), (16, 1), (32, 1), (16, 3)])
