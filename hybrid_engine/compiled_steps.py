@@ -25,6 +25,7 @@ import contextlib
 import warnings
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
 from hybrid_engine.models import HybridForCausalLM
@@ -43,11 +44,13 @@ class CompiledSteps:
         # inductor's freezing packs them (weights become constants of the graph, packed once;
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
         # would pack for a slower GEMV and double the weights, so it is off there.
-        options = {"freezing": True} if can_pack(model.lm_head_weight()) else {}
+        # (Set around each call, as the compile happens inside one: torch.compile's `options`
+        # did not turn freezing on here.)
+        self.freeze = can_pack(model.lm_head_weight())
         # The model's modules and weights do not change once the engine runs, so the guards
         # on them (one per parameter, checked on every call) are dropped: they cost about
         # 0.2 ms a call here, a tenth of a default-model decode step.
-        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._decode = torch.compile(self._decode_forward, options=options)
         self._mtp = torch.compile(self._mtp_pass, options=options) if model.mtp is not None else None
 
@@ -60,7 +63,7 @@ class CompiledSteps:
         """A decode or verify step -> (final-normed hidden [T, H], float32 logits of the
         batch's logits_indices rows), as ModelRunner.forward returns them."""
         _mark_dynamic(input_ids, batch)
-        with _size_oblivious():
+        with _tracing_config(self.freeze):
             return self._decode(input_ids, batch, caches)
 
     def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
@@ -71,7 +74,7 @@ class CompiledSteps:
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
         if rows is not None:
             torch._dynamo.maybe_mark_dynamic(rows, 0)
-        with _size_oblivious():
+        with _tracing_config(self.freeze):
             return self._mtp(tokens, hidden, batch, caches, rows)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
@@ -98,12 +101,14 @@ def _mark_dynamic(tokens: torch.Tensor, batch: ForwardBatch) -> None:
 
 
 @contextlib.contextmanager
-def _size_oblivious():
-    """Traces (if the call compiles) without 0/1 specialisation of dynamic sizes. Set and reset
-    by hand: fx_config.patch costs about 0.1 ms a call."""
-    previous = fx_config.backed_size_oblivious
+def _tracing_config(freeze: bool):
+    """What a compile inside the call must see: no 0/1 specialisation of dynamic sizes
+    (size-oblivious tracing) and, for packed dtypes, inductor's freezing. Set and reset by
+    hand: a config patch context costs about 0.1 ms a call."""
+    previous = fx_config.backed_size_oblivious, inductor_config.freezing
     fx_config.backed_size_oblivious = True
+    inductor_config.freezing = freeze
     try:
         yield
     finally:
-        fx_config.backed_size_oblivious = previous
+        fx_config.backed_size_oblivious, inductor_config.freezing = previous
