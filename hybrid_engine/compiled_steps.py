@@ -22,6 +22,7 @@ where an op forces one.
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 
 import torch
@@ -50,9 +51,12 @@ class CompiledSteps:
         # The model's modules and weights do not change once the engine runs, so the guards
         # on them (one per parameter, checked on every call) are dropped: they cost about
         # 0.2 ms a call here, a tenth of a default-model decode step.
+        # That is safe because each CompiledSteps compiles its own copies of the functions
+        # (_own_code): graphs made for one engine's model are never offered to another's.
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._decode = torch.compile(self._decode_forward, options=options)
-        self._mtp = torch.compile(self._mtp_pass, options=options) if model.mtp is not None else None
+        self._decode = torch.compile(_own_code(self._decode_forward), options=options)
+        self._mtp = (torch.compile(_own_code(self._mtp_pass), options=options)
+                     if model.mtp is not None else None)
 
     @staticmethod
     def handles(batch: ForwardBatch) -> bool:
@@ -88,6 +92,16 @@ class CompiledSteps:
         if rows is not None:
             h = h[rows]
         return h, self.model.compute_logits(h).max(dim=-1).indices
+
+
+def _own_code(method):
+    """The bound method with a code object of its own. Dynamo keeps compiled graphs (and the
+    recompile limit) per code object, so without this every engine in a process would share
+    one cache: with the module guards dropped, a graph traced for one model could run with
+    another's weights baked in (freezing), and several engines would exhaust the limit."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(own, method.__self__)
 
 
 def _mark_dynamic(tokens: torch.Tensor, batch: ForwardBatch) -> None:
