@@ -83,8 +83,7 @@ class CompiledSteps:
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(input_ids, batch, caches)
-        return hidden, self.model.compute_logits(hidden[batch.logits_indices]).float()
+        return self.model.forward_step(input_ids, batch, caches)
 
     def _mtp_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                   caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,5 +39,4 @@ class ModelRunner:
             return self.decode_graphs.run(inputs)
         if self.compiled is not None and self.compiled.handles(inputs.batch):
             return self.compiled.run(inputs.input_ids, inputs.batch, self.cache)
-        hidden = self.model(inputs.input_ids, inputs.batch, self.cache)
-        return hidden, self.model.compute_logits(hidden[inputs.batch.logits_indices]).float()
+        return self.model.forward_step(inputs.input_ids, inputs.batch, self.cache)

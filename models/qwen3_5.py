@@ -55,6 +55,13 @@ class HybridForCausalLM(nn.Module):
             x = layer(x, batch, caches, rope)
         return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
 
+    def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, then lm_head on the batch's logits_indices rows only -> (final-normed hidden
+        [T, H], float32 logits [rows, vocab])."""
+        hidden = self(input_ids, batch, caches)
+        return hidden, self.compute_logits(hidden[batch.logits_indices]).float()
+
     def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                     caches: LayerCaches) -> torch.Tensor:
         """One MTP pass (models/mtp.py): tokens [T] (token t+1), hidden [T, H] (the target's
