@@ -30,7 +30,7 @@ Loss = CE(main, tok_{i+1}) + w1 * CE(MTP, tok_{i+2}) + w2 * CE(MTP chained, tok_
 Outputs (``--out``, default ``hybrid_engine/assets/default_model``): config.json,
 model.safetensors (``model.*`` as ``save_pretrained`` names them, plus ``mtp.*``), tokenizer.json,
 tokenizer_config.json, chat_template.jinja, generation_config.json. Seeded: the same Python, torch and thread count
-give the same weights up to floating-point reordering.
+give the same weights up to floating-point reordering. examples/distill_mtp_head.py then self-distils the MTP head.
 """
 
 from __future__ import annotations

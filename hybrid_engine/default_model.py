@@ -5,6 +5,12 @@ with its byte-level BPE tokenizer, trained on the Python standard library's sour
 examples/train_default_model.py. It lives in hybrid_engine/assets/default_model/ (config.json,
 model.safetensors with model.* and mtp.* tensors, tokenizer files), so the README's main command
 runs on a fresh clone with nothing downloaded.
+
+The MTP head (mtp.* only; every model.* tensor is unchanged) was then self-distilled by
+examples/distill_mtp_head.py: 300 steps on the main model's own greedy continuations of 2048
+training-split prompts (393k tokens). Held-out corpus prompts, k=2 mean accept length 2.40 -> 2.59
+(draft 1 accepted 0.78 -> 0.86); `hybrid-engine bench` mean accept length k=1/2/3
+1.76/2.36/2.77 -> 1.88/2.62/3.34.
 """
 
 from __future__ import annotations
