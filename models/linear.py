@@ -38,8 +38,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear without bias; oneDNN's matmul when `weight` was packed by `pack_weights`."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    if (x.dim() == 2 and x.shape[0] in TRANSPOSED_ROWS and weight.dtype == torch.float32
-            and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+    # (Not while traced: a test of the symbolic row count would specialise the compiled graph.)
+    if (not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] in TRANSPOSED_ROWS
+            and weight.dtype == torch.float32 and x.device.type == "cpu"):
         return torch.mm(weight, x.t()).t().contiguous()
     return F.linear(x, weight)
 
