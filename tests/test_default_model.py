@@ -104,4 +104,6 @@ def test_mtp_speculative_decoding_matches_and_accepts(llm):
     assert spec == plain
     stats = spec_llm.engine.spec_stats
     assert stats.num_verify_steps > 0
-    assert stats.mean_accept_length > 1.3, stats.as_dict()
+    # 2.81 with the self-distilled MTP head (examples/distill_mtp_head.py; 2.38 before it):
+    # a drafter that stopped agreeing with the main model would fall well below this.
+    assert stats.mean_accept_length > 2.4, stats.as_dict()
