@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_engine.models.linear import can_pack, linear, pack_weight
+from hybrid_engine.models.linear import linear, pack_weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 32, 33, 64])
@@ -20,7 +20,6 @@ def test_linear_matches_f_linear_at_every_row_count(rows):
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not can_pack(torch.empty(1, dtype=torch.bfloat16)), reason="oneDNN bf16 packing not available")
 @pytest.mark.parametrize("rows", [1, 16])
 def test_packed_bf16_linear_matches_f_linear(rows):
     g = torch.Generator().manual_seed(0)
