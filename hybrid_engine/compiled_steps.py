@@ -31,7 +31,7 @@ import torch.fx.experimental._config as fx_config
 
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
-from hybrid_engine.models.linear import can_pack
+from hybrid_engine.models.linear import can_pack_onednn
 
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
@@ -47,7 +47,7 @@ class CompiledSteps:
         # would pack for a slower GEMV and double the weights, so it is off there.
         # (Set around each call, as the compile happens inside one: torch.compile's `options`
         # did not turn freezing on here.)
-        self.freeze = can_pack(model.lm_head_weight())
+        self.freeze = can_pack_onednn(model.lm_head_weight())
         # The model's modules and weights do not change once the engine runs, so the guards
         # on them (one per parameter, checked on every call) are dropped: they cost about
         # 0.2 ms a call here, a tenth of a default-model decode step.

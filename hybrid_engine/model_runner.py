@@ -24,8 +24,10 @@ class ModelRunner:
         self.cache = cache
         self.decode_graphs = decode_graphs
         self.compiled = compiled
-        if compiled is None:        # compiled steps pack their own (inductor's freezing)
-            model.pack_weights()    # CPU bf16/fp16: oneDNN's weight layout (models/linear.py)
+        # CPU weight layouts (models/linear.py): float32 blocked for the native kernel, which
+        # compiled steps call too; bf16/fp16 reordered for oneDNN, except under compiled steps,
+        # which pack their own (inductor's freezing).
+        model.pack_weights(onednn=compiled is None)
         if decode_graphs is not None:
             with torch.inference_mode():
                 decode_graphs.capture()      # after packing: graphs hold the final weight tensors

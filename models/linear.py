@@ -10,15 +10,22 @@ Two changes of layout, both invisible to checkpoint names:
   loader and in-place edits still see under the children's names. The merge is redone after
   every load_state_dict (a hook), since loading with assign=True replaces the children's tensors.
 
+- Blocked float32 weights (CPU, where the native kernel builds: kernels/cpu/blocked.py).
+  W [N, K] becomes [N/16, K, 16] and every product runs in the hand-written kernel: at 1 row it
+  streams as fast as MKL's GEMV (1.0-1.1x), at 4 rows (MTP verify) 1.7-1.9x MKL, at 16 rows
+  (batched decode) 1.4-1.5x MKL's best form, at 512 rows (prefill) on par. One copy of the
+  weights replaces the plain one. `linear` takes a 3-D weight as blocked.
+
 - Packed weights (CPU, bfloat16 / float16). PyTorch's plain bf16 matmul converts as it goes and
   reaches about 2/3 of the bandwidth oneDNN gets from a weight reordered once into its blocked
   layout (AMX / AVX512-BF16 kernels), at batch 1 and batched alike. `pack_weights` does that
   reorder in place: the packed tensor is opaque, so forwards read projection weights only
-  through `linear`, and state_dict no longer returns usable tensors (inference only). float32
-  stays on MKL: its GEMV is 10-20% faster than oneDNN's at batch 1, the roofline case.
+  through `linear`, and state_dict no longer returns usable tensors (inference only). (The
+  native kernel also takes bf16 and streams 1.1-1.4x faster than oneDNN at 1 row, but AMX is
+  2-4x faster from 16 rows on, so bf16 stays on oneDNN.)
 
-- Transposed float32 products for a few rows. For 8-32 rows of x (batched decode, verify of
-  several requests), MKL computes x W^T 1.1-1.6x slower than W x^T (measured: the 248320-row
+- Transposed float32 products for a few rows, where weights stay unblocked (no native kernel).
+  For 8-32 rows of x, MKL computes x W^T 1.1-1.6x slower than W x^T (measured: the 248320-row
   lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99 ms over 24 layers, 2
   threads), so `linear` asks for the latter there and transposes the small result back. At 1-3
   rows MKL's GEMV path is faster (W x^T takes twice as long); from 64 rows on x W^T wins again.
@@ -30,12 +37,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_engine.kernels.cpu import block_weight, blocked_linear, can_block
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
+# Smaller float32 weights stay on MKL: a product of a few hundred KB is over in microseconds,
+# and the native kernel's call (ctypes, output allocation) costs a few more than MKL's (the
+# default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when blocked).
+BLOCKED_MIN_BYTES = 1 << 20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear without bias; oneDNN's matmul when `weight` was packed by `pack_weights`."""
+    """F.linear without bias; the native kernel for a blocked weight, oneDNN's matmul for a
+    packed one (`pack_weights`)."""
+    if weight.dim() == 3:
+        return blocked_linear(x, weight)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     # (Not while traced: a test of the symbolic row count would specialise the compiled graph.)
@@ -66,25 +82,40 @@ def merge_projections(module: nn.Module, buffer_name: str, children: list[str]) 
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` changes this weight's layout (blocked or oneDNN-packed)."""
+    return can_block_float32(weight) or can_pack_onednn(weight)
+
+
+def can_pack_onednn(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
             and torch.backends.mkldnn.is_available())
 
 
+def can_block_float32(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.float32 and weight.numel() * 4 >= BLOCKED_MIN_BYTES
+            and can_block(weight))
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] weight reordered for oneDNN (batch-size hint 1: decode; batched and prefill
-    shapes measured no slower than with the plain weight)."""
+    """A [out, in] weight in the layout its products run fastest from: blocked for the native
+    kernel (float32), or reordered for oneDNN (bf16/fp16; batch-size hint 1: decode; batched and
+    prefill shapes measured no slower than with the plain weight)."""
+    if can_block_float32(weight):
+        return block_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-def pack_weights(module: nn.Module, names: list[str]) -> None:
+def pack_weights(module: nn.Module, names: list[str], onednn: bool = True) -> None:
     """Packs module.<name> for each name: a merged-projection buffer or a child Linear's weight
-    ("out_proj.weight"). A merged buffer's children lose their (now stale) weights to the meta
-    device, so the old layout is freed."""
+    ("out_proj.weight"); onednn=False leaves the weights oneDNN would pack as they are. A merged
+    buffer's children lose their (now stale) weights to the meta device, so the old layout is
+    freed."""
     for name in names:
         owner_path, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_path)
         weight = getattr(owner, attr)
-        if not can_pack(weight) or weight.is_mkldnn:
+        if weight.is_mkldnn or weight.dim() != 2 or not (
+                can_block_float32(weight) or (onednn and can_pack_onednn(weight))):
             continue
         packed = pack_weight(weight)
         if isinstance(weight, nn.Parameter):

@@ -15,10 +15,13 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
+from .linear import linear
 from .mlp import SparseMoE, SwiGLU
 
 
 class MTPHead(nn.Module):
+    PACKED_WEIGHTS = ["fc.weight"]
+
     def __init__(self, cfg: ModelConfig, kv_cache_index: int):
         super().__init__()
         h = cfg.hidden_size
@@ -35,6 +38,6 @@ class MTPHead(nn.Module):
         """token_embeds: embeddings of token t+1 [T, H]; hidden: target h_t (final-normed) [T, H]."""
         e = rms_norm(token_embeds, self.pre_fc_norm_embedding.weight, self.eps)
         h = rms_norm(hidden, self.pre_fc_norm_hidden.weight, self.eps)
-        x = self.fc(torch.cat([e, h], dim=-1))   # order matters: embedding first, then hidden
+        x = linear(torch.cat([e, h], dim=-1), self.fc.weight)   # order matters: embedding first, then hidden
         x = self.layers[0](x, batch, caches, rope)
         return rms_norm(x, self.norm.weight, self.eps)

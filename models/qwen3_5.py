@@ -15,7 +15,7 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import can_pack, linear, pack_weight, pack_weights
+from .linear import can_block_float32, can_pack_onednn, linear, pack_weight, pack_weights
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -74,12 +74,16 @@ class HybridForCausalLM(nn.Module):
         weight = self.lm_head_weight() if self.packed_lm_head is None else self.packed_lm_head
         return linear(hidden, weight)
 
-    def pack_weights(self) -> None:
-        """Reorders the projection weights for oneDNN where that pays (models/linear.py: CPU,
-        bfloat16 / float16; a no-op otherwise). Inference only: afterwards state_dict holds
-        opaque or meta tensors. A tied lm_head gets a packed copy (the embedding lookup needs
-        the plain table): vocab x hidden more memory, for the largest matmul of every step."""
+    def pack_weights(self, onednn: bool = True) -> None:
+        """Puts the projection weights in the layout their products run fastest from where that
+        pays (models/linear.py: CPU; float32 blocked for the native kernel, bfloat16 / float16
+        reordered for oneDNN unless onednn=False; a no-op otherwise). Inference only: afterwards
+        state_dict holds blocked, opaque or meta tensors. A tied lm_head gets a packed copy (the
+        embedding lookup needs the plain table): vocab x hidden more memory, for the largest
+        matmul of every step."""
         for module in self.modules():
-            pack_weights(module, getattr(module, "PACKED_WEIGHTS", []))
-        if can_pack(self.lm_head_weight()) and self.packed_lm_head is None:
+            pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn)
+        weight = self.lm_head_weight()
+        if (self.packed_lm_head is None
+                and (can_block_float32(weight) or (onednn and can_pack_onednn(weight)))):
             self.packed_lm_head = pack_weight(self.lm_head_weight())

@@ -26,3 +26,95 @@ def test_packed_bf16_linear_matches_f_linear(rows):
     w = torch.randn(300, 96, generator=g).bfloat16()
     x = torch.randn(rows, 96, generator=g).bfloat16()
     torch.testing.assert_close(linear(x, pack_weight(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+# ---- the native blocked kernel (kernels/cpu/blocked_linear.cpp) -------------------------------
+
+from hybrid_engine.kernels.cpu import blocked as blocked_mod  # noqa: E402
+from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available  # noqa: E402
+from hybrid_engine.models import linear as linear_mod  # noqa: E402
+from hybrid_engine.models.linear import can_pack, pack_weights  # noqa: E402
+
+needs_native = pytest.mark.skipif(not blocked_mod._cpu_has("avx512f"), reason="the kernel needs AVX-512F")
+
+
+@needs_native
+def test_native_kernel_builds_where_the_cpu_can_run_it():
+    # a build failure would otherwise only show as slower products (every caller falls back)
+    assert native_available()
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100])
+@pytest.mark.parametrize("n", [16, 48, 80, 336])        # 1, 3, 5, 21 blocks: every tile width and tail
+def test_blocked_float32_matches_f_linear(rows, n):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, 37, generator=g)                   # odd K
+    x = torch.randn(rows, 37, generator=g)
+    wb = block_weight(w)
+    assert wb.shape == (n // 16, 37, 16)
+    out = blocked_linear(x, wb)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blocked_linear_reference(x, wb), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_blocked_bfloat16_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 128, generator=g).bfloat16()
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    out = blocked_linear(x, block_weight(w))
+    assert out.dtype == torch.bfloat16
+    # float32 accumulation, one rounding to bf16 at the end: within bf16's half-ulp of the exact product
+    exact = F.linear(x.float(), w.float())
+    torch.testing.assert_close(out.float(), exact, rtol=4e-3, atol=1e-3)
+
+
+@needs_native
+def test_blocked_linear_keeps_leading_dims_and_checks_its_input():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 24, generator=g)
+    x = torch.randn(2, 3, 24, generator=g)
+    torch.testing.assert_close(blocked_linear(x, block_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="K=24"):
+        blocked_linear(torch.randn(3, 25), block_weight(w))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        block_weight(torch.randn(30, 24))
+
+
+@needs_native
+def test_blocked_linear_under_torch_compile():
+    g = torch.Generator().manual_seed(2)
+    wb = block_weight(torch.randn(48, 40, generator=g))
+    f = torch.compile(lambda x: torch.relu(linear(x, wb)) * 2, dynamic=True)
+    for rows in (1, 5, 12):
+        x = torch.randn(rows, 40, generator=g)
+        torch.testing.assert_close(f(x), torch.relu(blocked_linear_reference(x, wb)) * 2, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_pack_weights_blocks_float32_and_leaves_odd_shapes(monkeypatch):
+    from torch import nn
+    m = nn.Module()
+    m.a = nn.Linear(24, 32, bias=False)
+    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)  # (small weights stay plain by default)
+    m.b = nn.Linear(24, 20, bias=False)                   # 20 rows: not blockable, stays as is
+    x = torch.randn(4, 24)
+    want_a, want_b = m.a(x), m.b(x)
+    pack_weights(m, ["a.weight", "b.weight"])
+    assert m.a.weight.shape == (2, 24, 16) and m.b.weight.shape == (20, 24)
+    assert not can_pack(m.b.weight)
+    torch.testing.assert_close(linear(x, m.a.weight), want_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, m.b.weight), want_b, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
+    monkeypatch.setattr(blocked_mod, "_library", lambda: None)
+    assert not native_available() and not can_pack(torch.randn(1024, 1024))
+
+
+@needs_native
+def test_only_weights_of_a_megabyte_or_more_are_blocked():
+    assert can_pack(torch.randn(256, 1024)) and not can_pack(torch.randn(240, 1024))
