@@ -31,11 +31,12 @@ def test_packed_bf16_linear_matches_f_linear(rows):
 # ---- the native blocked kernel (kernels/cpu/blocked_linear.cpp) -------------------------------
 
 from hybrid_engine.kernels.cpu import blocked as blocked_mod  # noqa: E402
+from hybrid_engine.kernels.cpu.build import cpu_has  # noqa: E402
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available  # noqa: E402
 from hybrid_engine.models import linear as linear_mod  # noqa: E402
 from hybrid_engine.models.linear import can_pack, pack_weights  # noqa: E402
 
-needs_native = pytest.mark.skipif(not blocked_mod._cpu_has("avx512f"), reason="the kernel needs AVX-512F")
+needs_native = pytest.mark.skipif(not cpu_has("avx512f"), reason="the kernel needs AVX-512F")
 
 
 @needs_native

@@ -15,12 +15,15 @@ in L2 between its read and its update. Small states (tiny models) and verify ste
 the gathered copy instead, where the per-request loop's ~3 ops per request would cost more than
 the copies; there the cost is op count rather than traffic, so each token takes the naive
 reference's five ops (decay, k^T S, u, rank-1 update, q^T S) instead of the single read's ten.
+On CPU, where the native kernel builds (kernels/cpu/gdn_decode.cpp), plain decode of any state
+size is one call that reads and writes each state once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..cpu.gdn_decode import can_decode_in_place, gdn_decode_in_place
 from ..slot_pool import scatter_to_slots, slots_valid
 from .qk_norm import normalize_kq
 
@@ -51,6 +54,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
     read = read_slots.tolist()
     plain = T == 1 and [row[0] for row in write_slots.tolist()] == read   # each row back to its slot
+    if plain and can_decode_in_place(state_pool):   # the native kernel: any state size
+        o = gdn_decode_in_place(kq[:, 0], decay[:, 0], beta[:, 0], v[:, 0], state_pool, read_slots)
+        return o.view(B, 1, Hv, dv).to(v.dtype)
     if plain and state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES:
         kq = kq[:, 0]
         qk = (kq[:, :, 0] * kq[:, :, 1]).sum(-1)[..., None, None]        # [B, Hv, 1, 1]
