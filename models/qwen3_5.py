@@ -44,12 +44,18 @@ class HybridForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight.is_meta:      # tied and blocked: rows from lm_head's blocks
+            head = self.packed_lm_head
+            return head[token_ids // head.shape[-1], :, token_ids % head.shape[-1]]
+        return self.embed_tokens(token_ids)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, dtype)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H] (what lm_head and the MTP head read)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, batch, caches, rope)
@@ -66,7 +72,7 @@ class HybridForCausalLM(nn.Module):
                     caches: LayerCaches) -> torch.Tensor:
         """One MTP pass (models/mtp.py): tokens [T] (token t+1), hidden [T, H] (the target's
         final-normed h_t) -> the MTP layer's final-normed hidden [T, H]."""
-        embeds = self.embed_tokens(tokens)
+        embeds = self.embed(tokens)
         rope = self.rope(batch.positions, embeds.dtype)
         return self.mtp(embeds, hidden.to(embeds.dtype), batch, caches, rope)
 
@@ -78,12 +84,18 @@ class HybridForCausalLM(nn.Module):
         """Puts the projection weights in the layout their products run fastest from where that
         pays (models/linear.py: CPU; float32 blocked for the native kernel, bfloat16 / float16
         reordered for oneDNN unless onednn=False; a no-op otherwise). Inference only: afterwards
-        state_dict holds blocked, opaque or meta tensors. A tied lm_head gets a packed copy (the
-        embedding lookup needs the plain table): vocab x hidden more memory, for the largest
-        matmul of every step."""
+        state_dict holds blocked, opaque or meta tensors. lm_head gets a packed copy; a oneDNN one
+        sits beside the plain weight (a tied embedding lookup needs the plain table: vocab x
+        hidden more memory, for the largest matmul of every step), a blocked one replaces it."""
         for module in self.modules():
             pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn)
         weight = self.lm_head_weight()
         if (self.packed_lm_head is None
                 and (can_block_float32(weight) or (onednn and can_pack_onednn(weight)))):
-            self.packed_lm_head = pack_weight(self.lm_head_weight())
+            self.packed_lm_head = pack_weight(weight)
+            if self.packed_lm_head.dim() == 3:
+                # Blocked rows are still rows: a tied embedding gathers from the blocks (a few
+                # strided reads per token; `embed`), so the plain table is freed, not kept.
+                owner = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+                owner.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                            requires_grad=False)

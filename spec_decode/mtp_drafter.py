@@ -42,7 +42,7 @@ class MTPDrafter:
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.compiled = compiled        # hybrid_engine.compiled_steps.CompiledSteps or None
-        self.device = model.embed_tokens.weight.device
+        self.device = model.norm.weight.device
         self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._no_flags = torch.zeros(0, dtype=torch.bool, device=self.device)
 

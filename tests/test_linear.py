@@ -119,3 +119,22 @@ def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
 @needs_native
 def test_only_weights_of_a_megabyte_or_more_are_blocked():
     assert can_pack(torch.randn(256, 1024)) and not can_pack(torch.randn(240, 1024))
+
+
+@needs_native
+@pytest.mark.parametrize("tied", [True, False])
+def test_blocked_lm_head_replaces_the_plain_weight_and_embeds_the_same(monkeypatch, tied):
+    from checkpoints import make_config
+
+    from hybrid_engine.models import HybridForCausalLM, parse_config
+    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)
+    cfg = parse_config(make_config("qwen3_5", tie_word_embeddings=tied).to_dict())
+    torch.manual_seed(0)
+    model = HybridForCausalLM(cfg).eval()
+    ids = torch.tensor([0, 5, 17, cfg.vocab_size - 1, 5])
+    hidden = torch.randn(3, cfg.hidden_size)
+    want_embeds, want_logits = model.embed(ids), model.compute_logits(hidden)
+    model.pack_weights()
+    assert model.packed_lm_head.dim() == 3 and model.lm_head_weight().is_meta   # no second copy
+    torch.testing.assert_close(model.embed(ids), want_embeds, rtol=0, atol=0)
+    torch.testing.assert_close(model.compute_logits(hidden), want_logits, rtol=1e-5, atol=1e-5)
