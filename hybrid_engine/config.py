@@ -24,6 +24,10 @@ class EngineConfig:
     # faster steps after tens of seconds of compiling (SGLang's --enable-torch-compile). Off
     # where CUDA graphs already take those steps.
     enable_torch_compile: bool = False
+    # CPU bfloat16, eager: keep a second, blocked copy of the weights for products of 1-4 rows
+    # (batch-1 decode, MTP verify), where the native AVX512-BF16 kernel streams faster than
+    # oneDNN (models/linear.py). Costs one more bf16 weight-size of memory; False saves it.
+    bf16_few_rows_copy: bool = True
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -37,7 +41,7 @@ class EngineConfig:
         if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
                                                     or self.cache_memory_bytes <= 0):
             raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
-        for name in ("enforce_eager", "enable_torch_compile"):
+        for name in ("enforce_eager", "enable_torch_compile", "bf16_few_rows_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes

@@ -96,7 +96,7 @@ class LLMEngine:
                                         max_blocks_per_seq, config.block_size, k, config.device)
         graphs = self._decode_graphs(max_blocks_per_seq)
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
-        self.runner = ModelRunner(self.model, self.cache, graphs, compiled)
+        self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
         self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.sampler = Sampler()

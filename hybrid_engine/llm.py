@@ -18,13 +18,13 @@ class LLM:
                  cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
-                 enable_torch_compile: bool = False):
+                 enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True):
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cache_memory_bytes=cache_memory_bytes,
             speculative_config=speculative_config, max_model_len=max_model_len, device=device, seed=seed,
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
-            enable_torch_compile=enable_torch_compile))
+            enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy))
 
     @property
     def tokenizer(self):

@@ -19,15 +19,17 @@ class ModelRunner:
     Every other step runs eagerly."""
 
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager,
-                 decode_graphs: DecodeGraphs | None = None, compiled: CompiledSteps | None = None):
+                 decode_graphs: DecodeGraphs | None = None, compiled: CompiledSteps | None = None,
+                 bf16_few_rows_copy: bool = True):
         self.model = model
         self.cache = cache
         self.decode_graphs = decode_graphs
         self.compiled = compiled
         # CPU weight layouts (models/linear.py): float32 blocked for the native kernel, which
         # compiled steps call too; bf16/fp16 reordered for oneDNN, except under compiled steps,
-        # which pack their own (inductor's freezing).
-        model.pack_weights(onednn=compiled is None)
+        # which pack their own (inductor's freezing); eager bf16 also keeps a blocked copy for
+        # products of a few rows unless told not to.
+        model.pack_weights(onednn=compiled is None, few_rows_copy=bf16_few_rows_copy)
         if decode_graphs is not None:
             with torch.inference_mode():
                 decode_graphs.capture()      # after packing: graphs hold the final weight tensors

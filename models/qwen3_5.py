@@ -15,7 +15,7 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import can_block_float32, can_pack_onednn, linear, pack_weight, pack_weights
+from .linear import add_few_rows_twin, can_block_float32, can_pack_onednn, linear, pack_weight, pack_weights
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -80,19 +80,22 @@ class HybridForCausalLM(nn.Module):
         weight = self.lm_head_weight() if self.packed_lm_head is None else self.packed_lm_head
         return linear(hidden, weight)
 
-    def pack_weights(self, onednn: bool = True) -> None:
+    def pack_weights(self, onednn: bool = True, few_rows_copy: bool = True) -> None:
         """Puts the projection weights in the layout their products run fastest from where that
         pays (models/linear.py: CPU; float32 blocked for the native kernel, bfloat16 / float16
-        reordered for oneDNN unless onednn=False; a no-op otherwise). Inference only: afterwards
+        reordered for oneDNN unless onednn=False, with a blocked copy for few rows unless
+        few_rows_copy=False; a no-op otherwise). Inference only: afterwards
         state_dict holds blocked, opaque or meta tensors. lm_head gets a packed copy; a oneDNN one
         sits beside the plain weight (a tied embedding lookup needs the plain table: vocab x
         hidden more memory, for the largest matmul of every step), a blocked one replaces it."""
         for module in self.modules():
-            pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn)
+            pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn, few_rows_copy)
         weight = self.lm_head_weight()
         if (self.packed_lm_head is None
                 and (can_block_float32(weight) or (onednn and can_pack_onednn(weight)))):
             self.packed_lm_head = pack_weight(weight)
+            if few_rows_copy:
+                add_few_rows_twin(self.packed_lm_head, weight)
             if self.packed_lm_head.dim() == 3:
                 # Blocked rows are still rows: a tied embedding gathers from the blocks (a few
                 # strided reads per token; `embed`), so the plain table is freed, not kept.

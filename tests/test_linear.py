@@ -60,12 +60,18 @@ def test_blocked_float32_matches_f_linear(rows, n):
     torch.testing.assert_close(blocked_linear_reference(x, wb), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@needs_native
+needs_bf16 = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="the bf16 kernel needs AVX512-BF16")
+
+
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_blocked_bfloat16_matches_f_linear(rows):
+@pytest.mark.parametrize("k", [128, 37])                 # odd K: the last pair padded
+def test_blocked_bfloat16_matches_f_linear(rows, k):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 128, generator=g).bfloat16()
-    x = torch.randn(rows, 128, generator=g).bfloat16()
+    w = torch.randn(96, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    assert block_weight(w).shape == (6, (k + 1) // 2, 16, 2)
+    torch.testing.assert_close(blocked_linear_reference(x, block_weight(w)), F.linear(x, w), rtol=2e-2, atol=2e-2)
     out = blocked_linear(x, block_weight(w))
     assert out.dtype == torch.bfloat16
     # float32 accumulation, one rounding to bf16 at the end: within bf16's half-ulp of the exact product
@@ -79,7 +85,7 @@ def test_blocked_linear_keeps_leading_dims_and_checks_its_input():
     w = torch.randn(32, 24, generator=g)
     x = torch.randn(2, 3, 24, generator=g)
     torch.testing.assert_close(blocked_linear(x, block_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="K=24"):
+    with pytest.raises(ValueError, match=r"does not fit a blocked weight \(2, 24, 16\)"):
         blocked_linear(torch.randn(3, 25), block_weight(w))
     with pytest.raises(ValueError, match="multiple of 16"):
         block_weight(torch.randn(30, 24))
@@ -138,3 +144,34 @@ def test_blocked_lm_head_replaces_the_plain_weight_and_embeds_the_same(monkeypat
     assert model.packed_lm_head.dim() == 3 and model.lm_head_weight().is_meta   # no second copy
     torch.testing.assert_close(model.embed(ids), want_embeds, rtol=0, atol=0)
     torch.testing.assert_close(model.compute_logits(hidden), want_logits, rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 4, 5, 16])
+def test_packed_bf16_weight_takes_its_blocked_twin_for_few_rows(monkeypatch, rows):
+    from torch import nn
+    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)
+    m = nn.Module()
+    m.a = nn.Linear(64, 48, bias=False).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    exact = F.linear(x.float(), m.a.weight.float())
+    pack_weights(m, ["a.weight"])
+    assert m.a.weight.is_mkldnn and m.a.weight.few_rows.shape == (3, 32, 16, 2)
+    calls = []
+    monkeypatch.setattr(linear_mod, "blocked_linear", lambda *a: calls.append(1) or blocked_linear(*a))
+    torch.testing.assert_close(linear(x, m.a.weight).float(), exact, rtol=2e-2, atol=2e-2)
+    assert calls == ([1] if rows <= linear_mod.FEW_ROWS else [])
+
+
+@needs_bf16
+def test_engine_keeps_the_bf16_few_rows_copy_only_when_asked():
+    from hybrid_engine import LLM, SamplingParams
+    from hybrid_engine.config import EngineConfig
+    outs = {}
+    for keep in (True, False):
+        llm = LLM(dtype="bfloat16", max_num_seqs=2, bf16_few_rows_copy=keep)
+        assert hasattr(llm.engine.model.packed_lm_head, "few_rows") == keep
+        outs[keep] = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert all(len(o.token_ids) == 4 for o in outs.values())
+    with pytest.raises(ValueError, match="bf16_few_rows_copy must be a bool"):
+        EngineConfig(bf16_few_rows_copy="yes").validate()

@@ -1,8 +1,9 @@
 """x @ W^T on CPU with W in 16-column blocks: the native kernel (blocked_linear.cpp) and its
 torch reference.
 
-Layout: `block_weight(W)` turns W [N, K] (N a multiple of 16) into W_blocked [N/16, K, 16],
-block b holding columns 16b..16b+15 of W^T. Float32 and bfloat16.
+Layout: `block_weight(W)` turns W [N, K] (N a multiple of 16) into blocks of 16 output columns:
+float32 W_blocked [N/16, K, 16] (block b holds columns 16b..16b+15 of W^T); bfloat16 in pairs
+of k, [N/16, ceil(K/2), 16, 2], the layout AVX512-BF16's dot product reads (odd K padded).
 
 The kernel is built on first use (kernels/cpu/build.py) and called through ctypes. Where it
 cannot be built or run `native_available()` is False and callers keep their unblocked weights.
@@ -26,21 +27,34 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def blocked_linear_reference(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T from W_blocked [N/16, K, 16] -> [M, N] (float32 accumulation)."""
-    y = torch.matmul(x.float(), w_blocked.float())           # [N/16, M, 16]
-    return y.transpose(0, 1).reshape(x.shape[0], w_blocked.shape[0] * BLOCK).to(x.dtype)
+    """x [M, K] @ W^T from a blocked W -> [M, N] (float32 accumulation)."""
+    return (x.float() @ unblock_weight(w_blocked, x.shape[-1]).float().t()).to(x.dtype)
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     if n % BLOCK:
         raise ValueError(f"block_weight: {n} output rows is not a multiple of {BLOCK}")
-    return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+    w = weight.detach().reshape(n // BLOCK, BLOCK, k)
+    if weight.dtype == torch.bfloat16:
+        w = torch.nn.functional.pad(w, (0, k % 2))
+        return w.reshape(n // BLOCK, BLOCK, -1, 2).permute(0, 2, 1, 3).contiguous()
+    return w.transpose(1, 2).contiguous()
+
+
+def unblock_weight(w_blocked: torch.Tensor, k: int) -> torch.Tensor:
+    """The plain [N, K] weight back from its blocks."""
+    if w_blocked.dim() == 4:
+        w = w_blocked.permute(0, 2, 1, 3).reshape(w_blocked.shape[0], BLOCK, -1)[..., :k]
+    else:
+        w = w_blocked.transpose(1, 2)
+    return w.reshape(-1, k)
 
 
 def can_block(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
-            and weight.shape[0] % BLOCK == 0 and native_available())
+            and weight.shape[0] % BLOCK == 0 and native_available()
+            and (weight.dtype != torch.bfloat16 or bool(_library().has_bf16())))
 
 
 def native_available() -> bool:
@@ -55,10 +69,12 @@ def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
-    nb, k, _ = w_blocked.shape
-    if x.shape[-1] != k or x.dtype != w_blocked.dtype:
+    nb, steps = w_blocked.shape[:2]
+    k = x.shape[-1]
+    pairs = w_blocked.dim() == 4
+    if x.dtype != w_blocked.dtype or steps != ((k + 1) // 2 if pairs else k):
         raise ValueError(f"blocked_linear: x {tuple(x.shape)} {x.dtype} does not fit a blocked "
-                         f"weight of K={k}, {w_blocked.dtype}")
+                         f"weight {tuple(w_blocked.shape)} {w_blocked.dtype}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
@@ -88,4 +104,5 @@ def _library() -> ctypes.CDLL | None:
         args = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
         for fn in (lib.blocked_linear_f32, lib.blocked_linear_bf16):
             fn.argtypes, fn.restype = args, ctypes.c_int
+        lib.has_bf16.argtypes, lib.has_bf16.restype = [], ctypes.c_int
     return lib
