@@ -1,6 +1,6 @@
 """Projection weights laid out the way the matmul wants them.
 
-Two changes of layout, both invisible to checkpoint names:
+Changes of layout, all invisible to checkpoint names:
 
 - Merged projections. At batch-1 decode every weight is read once per token and the step is
   bound by memory bandwidth; one long GEMV streams better than three or four short ones, each
@@ -20,9 +20,10 @@ Two changes of layout, both invisible to checkpoint names:
   reaches about 2/3 of the bandwidth oneDNN gets from a weight reordered once into its blocked
   layout (AMX / AVX512-BF16 kernels), at batch 1 and batched alike. `pack_weights` does that
   reorder in place: the packed tensor is opaque, so forwards read projection weights only
-  through `linear`, and state_dict no longer returns usable tensors (inference only). (The
-  native kernel also takes bf16 and streams 1.1-1.4x faster than oneDNN at 1 row, but AMX is
-  2-4x faster from 16 rows on, so bf16 stays on oneDNN.)
+  through `linear`, and state_dict no longer returns usable tensors (inference only). The
+  native kernel also takes bf16 (AVX512-BF16 dot products) and streams 1.2-1.5x faster than
+  oneDNN at 1-4 rows, but AMX is faster from 8 rows on (1.7x at 16, more for prefill), so a
+  packed bf16 weight may carry a blocked copy for products of 1-4 rows (`add_few_rows_twin`).
 
 - Transposed float32 products for a few rows, where weights stay unblocked (no native kernel).
   For 8-32 rows of x, MKL computes x W^T 1.1-1.6x slower than W x^T (measured: the 248320-row
@@ -45,7 +46,7 @@ TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x 
 # and the native kernel's call (ctypes, output allocation) costs a few more than MKL's (the
 # default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when blocked).
 BLOCKED_MIN_BYTES = 1 << 20
-# bf16 products of at most this many rows of x run from a blocked twin of the oneDNN weight.
+# bf16 products of at most this many rows of x run from the blocked copy of a packed weight.
 FEW_ROWS = 4
 
 
@@ -55,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() > 2:
         return blocked_linear(x, weight)
     if weight.is_mkldnn:
-        few_rows = getattr(weight, "few_rows", None)      # see pack_weights
+        few_rows = getattr(weight, "few_rows", None)      # see add_few_rows_twin
         if few_rows is not None and x.numel() <= FEW_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
             return blocked_linear(x, few_rows)
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
@@ -114,7 +115,7 @@ def add_few_rows_twin(packed: torch.Tensor, weight: torch.Tensor) -> None:
     """A oneDNN-packed bf16 weight gets a blocked copy as `packed.few_rows` for products of up to
     FEW_ROWS rows (batch-1 decode, MTP verify at k <= 3): there the native kernel's AVX512-BF16
     dot products stream 1.3-1.5x faster than oneDNN (26-28 vs 18-20 GB/s at 0.8B shapes), while
-    from 8 rows on oneDNN's AMX kernel is faster, up to 5x at 32 rows and more for prefill. The
+    from 8 rows on oneDNN's AMX kernel is faster, 2.5x at 32 rows and more for prefill. The
     price is a second copy of the bf16 weights (as much memory as float32 weights)."""
     if packed.is_mkldnn and weight.dtype == torch.bfloat16 and can_block(weight) \
             and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES:
