@@ -98,8 +98,11 @@ def can_pack_onednn(weight: torch.Tensor) -> bool:
 
 
 def can_block_float32(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.numel() * 4 >= BLOCKED_MIN_BYTES
-            and can_block(weight))
+    return weight.dtype == torch.float32 and worth_blocking(weight) and can_block(weight)
+
+
+def worth_blocking(weight: torch.Tensor) -> bool:
+    return weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -117,8 +120,7 @@ def add_few_rows_twin(packed: torch.Tensor, weight: torch.Tensor) -> None:
     dot products stream 1.3-1.5x faster than oneDNN (26-28 vs 18-20 GB/s at 0.8B shapes), while
     from 8 rows on oneDNN's AMX kernel is faster, 2.5x at 32 rows and more for prefill. The
     price is a second copy of the bf16 weights (as much memory as float32 weights)."""
-    if packed.is_mkldnn and weight.dtype == torch.bfloat16 and can_block(weight) \
-            and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES:
+    if packed.is_mkldnn and weight.dtype == torch.bfloat16 and worth_blocking(weight) and can_block(weight):
         packed.few_rows = block_weight(weight)
 
 

@@ -15,7 +15,8 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import BLOCKED_MIN_BYTES, add_few_rows_twin, can_block_float32, can_pack_onednn, linear, pack_weight, pack_weights
+from .linear import (add_few_rows_twin, can_block_float32, can_pack_onednn, linear, pack_weight,
+                     pack_weights, worth_blocking)
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -117,7 +118,7 @@ def _unpin_shared_storages(model: nn.Module) -> None:
     if model.packed_lm_head is None and not any(t.is_mkldnn for _, _, t in tensors):
         return
     for module, name, t in tensors:
-        if t.is_mkldnn or (t.dim() > 2 and t.numel() * t.element_size() >= BLOCKED_MIN_BYTES):
+        if t.is_mkldnn or (t.dim() > 2 and worth_blocking(t)):
             continue                                # packed or blocked (copies already), or experts
         copy = t.detach().clone()
         if isinstance(t, nn.Parameter):
