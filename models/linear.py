@@ -14,7 +14,7 @@ Changes of layout, all invisible to checkpoint names:
   W [N, K] becomes [N/16, K, 16] and every product runs in the hand-written kernel: at 1 row it
   streams as fast as MKL's GEMV (1.0-1.1x), at 4 rows (MTP verify) 1.7-1.9x MKL, at 16 rows
   (batched decode) 1.4-1.5x MKL's best form, at 512 rows (prefill) on par. One copy of the
-  weights replaces the plain one. `linear` takes a 3-D weight as blocked.
+  weights replaces the plain one. `linear` takes a weight of more than 2 dims as blocked.
 
 - Packed weights (CPU, bfloat16 / float16). PyTorch's plain bf16 matmul converts as it goes and
   reaches about 2/3 of the bandwidth oneDNN gets from a weight reordered once into its blocked
@@ -87,9 +87,10 @@ def merge_projections(module: nn.Module, buffer_name: str, children: list[str]) 
     merge(module)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_weight` changes this weight's layout (blocked or oneDNN-packed)."""
-    return can_block_float32(weight) or can_pack_onednn(weight)
+def can_pack(weight: torch.Tensor, onednn: bool = True) -> bool:
+    """Whether `pack_weight` changes this weight's layout: blocked, or (unless onednn=False)
+    oneDNN-packed."""
+    return can_block_float32(weight) or (onednn and can_pack_onednn(weight))
 
 
 def can_pack_onednn(weight: torch.Tensor) -> bool:
@@ -134,8 +135,7 @@ def pack_weights(module: nn.Module, names: list[str], onednn: bool = True, few_r
         owner_path, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_path)
         weight = getattr(owner, attr)
-        if weight.is_mkldnn or weight.dim() != 2 or not (
-                can_block_float32(weight) or (onednn and can_pack_onednn(weight))):
+        if weight.is_mkldnn or weight.dim() != 2 or not can_pack(weight, onednn):
             continue
         packed = pack_weight(weight)
         if isinstance(weight, nn.Parameter):

@@ -15,8 +15,7 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import (add_few_rows_twin, can_block_float32, can_pack_onednn, linear, pack_weight,
-                     pack_weights, worth_blocking)
+from .linear import add_few_rows_twin, can_pack, linear, pack_weight, pack_weights, worth_blocking
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -92,8 +91,7 @@ class HybridForCausalLM(nn.Module):
         for module in self.modules():
             pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn, few_rows_copy)
         weight = self.lm_head_weight()
-        if (self.packed_lm_head is None
-                and (can_block_float32(weight) or (onednn and can_pack_onednn(weight)))):
+        if self.packed_lm_head is None and can_pack(weight, onednn):
             self.packed_lm_head = pack_weight(weight)
             if few_rows_copy:
                 add_few_rows_twin(self.packed_lm_head, weight)
