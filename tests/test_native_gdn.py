@@ -1,4 +1,4 @@
-"""kernels/cpu/gdn_decode.cpp: plain decode in place == the torch in-place form and the naive rule."""
+"""kernels/cpu/gdn_recurrent.cpp: decode and verify steps == the torch forms and the rule itself."""
 
 from __future__ import annotations
 
@@ -6,43 +6,111 @@ import pytest
 import torch
 
 from hybrid_engine.kernels.cpu.build import cpu_has
-from hybrid_engine.kernels.cpu.gdn_decode import can_decode_in_place, gdn_decode_in_place
-from hybrid_engine.kernels.gdn.recurrent import _decode_in_place
+from hybrid_engine.kernels.cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
+from hybrid_engine.kernels.gdn import recurrent
+from hybrid_engine.kernels.gdn.recurrent import _decode_in_place, _steps
 
 pytestmark = pytest.mark.skipif(not cpu_has("avx512f"), reason="the kernel needs AVX-512F")
 
 
+def _inputs(B, T, H, dk, dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    kq = torch.nn.functional.normalize(torch.randn(B, T, H, 2, dk, generator=g), dim=-1)
+    decay = torch.rand(B, T, H, generator=g) * 0.5 + 0.5
+    beta = torch.rand(B, T, H, generator=g)
+    v = torch.randn(B, T, H, dv, generator=g)
+    pool = torch.randn(3 * B * T + 2, H, dk, dv, generator=g)
+    return kq, decay, beta, v, pool, g
+
+
 @pytest.mark.parametrize("B,H,dk,dv", [(1, 1, 16, 16), (3, 4, 32, 32), (5, 2, 128, 128), (2, 3, 24, 48)])
 def test_native_decode_matches_the_torch_in_place_form(B, H, dk, dv):
-    g = torch.Generator().manual_seed(B * 100 + dk)
-    pool = torch.randn(8, H, dk, dv, generator=g)
-    assert can_decode_in_place(pool)
-    slots = torch.randperm(8, generator=g)[:B]
-    kq = torch.nn.functional.normalize(torch.randn(B, H, 2, dk, generator=g), dim=-1)
-    decay = torch.rand(B, H, generator=g) * 0.5 + 0.5
-    beta = torch.rand(B, H, generator=g)
-    v = torch.randn(B, H, dv, generator=g)
+    kq, decay, beta, v, pool, g = _inputs(B, 1, H, dk, dv, seed=B * 100 + dk)
+    assert can_run_native(pool)
+    slots = torch.randperm(pool.shape[0], generator=g)[:B]
     want_pool = pool.clone()
-    qk = (kq[:, :, 0] * kq[:, :, 1]).sum(-1)[..., None, None]
-    want = _decode_in_place(kq, qk, decay[..., None, None], beta[..., None, None], v[:, :, None, :],
-                            want_pool, slots.tolist()).view(B, H, dv)
-    got = gdn_decode_in_place(kq, decay, beta, v, pool, slots)
+    qk = (kq[:, 0, :, 0] * kq[:, 0, :, 1]).sum(-1)[..., None, None]
+    want = _decode_in_place(kq[:, 0], qk, decay[:, 0, :, None, None], beta[:, 0, :, None, None],
+                            v[:, 0, :, None, :], want_pool, slots.tolist()).view(B, 1, H, dv)
+    got = gdn_recurrent_native(kq, decay, beta, v, pool, slots, slots[:, None])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)   # other slots untouched too
 
-    # and against the rule itself for one head: S' = a S + k u^T, u = beta (v - a S^T k), o = S'^T q
-    b, h = B - 1, H - 1
-    s0 = want_pool.new_tensor(torch.randn(dk, dv, generator=g))
-    pool2 = torch.zeros(8, H, dk, dv)
-    pool2[slots[b], h] = s0
-    o2 = gdn_decode_in_place(kq, decay, beta, v, pool2, slots)
-    k, q, a = kq[b, h, 0], kq[b, h, 1], decay[b, h]
-    u = beta[b, h] * (v[b, h] - a * (s0.t() @ k))
+
+def test_native_decode_follows_the_rule():
+    """S' = a S + k u^T, u = beta (v - a S^T k), o = S'^T q for one head, from scratch."""
+    dk, dv = 32, 48
+    kq, decay, beta, v, pool, g = _inputs(1, 1, 1, dk, dv, seed=7)
+    s0 = pool[3, 0].clone()
+    o = gdn_recurrent_native(kq, decay, beta, v, pool, torch.tensor([3]), torch.tensor([[4]]))
+    k, q, a = kq[0, 0, 0, 0], kq[0, 0, 0, 1], decay[0, 0, 0]
+    u = beta[0, 0, 0] * (v[0, 0, 0] - a * (s0.t() @ k))
     s1 = a * s0 + torch.outer(k, u)
-    torch.testing.assert_close(pool2[slots[b], h], s1, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(o2[b, h], s1.t() @ q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[4, 0], s1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[3, 0], s0, rtol=0, atol=0)              # the read slot is kept
+    torch.testing.assert_close(o[0, 0, 0], s1.t() @ q, rtol=1e-5, atol=1e-5)
 
 
-def test_native_decode_declines_what_it_cannot_take():
-    assert not can_decode_in_place(torch.zeros(2, 1, 8, 40))                 # dv not a multiple of 16
-    assert not can_decode_in_place(torch.zeros(2, 1, 8, 32, dtype=torch.float64))
+@pytest.mark.parametrize("B,T,H,dk,dv", [(1, 5, 4, 32, 32), (3, 4, 2, 128, 128), (4, 2, 3, 24, 48)])
+def test_native_verify_matches_the_torch_general_form(B, T, H, dk, dv):
+    """A verify step as the engine lays it out: token 0 written back to the read slot, later
+    tokens to draft slots; one row with padding (skipped writes) in the middle and at the end."""
+    kq, decay, beta, v, pool, g = _inputs(B, T, H, dk, dv, seed=B * 10 + T)
+    perm = torch.randperm(pool.shape[0], generator=g)
+    read = perm[:B]
+    write = torch.cat([read[:, None], perm[B:B + B * (T - 1)].view(B, T - 1)], 1)
+    write[-1, T // 2:] = -1
+    if T > 2:
+        write[0, 1] = -1
+    assert rows_independent(read.tolist(), write.tolist())
+    want_pool = pool.clone()
+    want = _steps(kq, decay, beta, v, want_pool, read, write)
+    got = gdn_recurrent_native(kq, decay, beta, v, pool, read, write)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_independent_refuses_what_parallel_rows_would_race_on():
+    assert rows_independent([4, 7], [[4, 1], [7, 2]])
+    assert rows_independent([4], [[9, 4, 4]])                  # one row: any order is its own
+    assert not rows_independent([4, 7], [[4, 7], [7, 2]])      # row 0 writes row 1's read slot
+    assert not rows_independent([4, 4], [[1], [2]])            # two rows read one slot
+    assert not rows_independent([-1, 7], [[-1], [7]])          # a padded read
+
+
+def test_the_dispatcher_takes_the_torch_form_where_rows_depend(monkeypatch):
+    """recurrent_gated_delta_rule falls back to the gathered copy for a write into another row's
+    read slot (all reads first), and takes the kernel otherwise."""
+    B, T, H, dk, dv = 2, 2, 2, 16, 16
+    kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=3)
+    q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
+    read, write = torch.tensor([0, 1]), torch.tensor([[1, 2], [3, 4]])
+    want_pool = pool.clone()
+    want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
+    calls = []
+    native = recurrent.gdn_recurrent_native
+    monkeypatch.setattr(recurrent, "gdn_recurrent_native", lambda *a: calls.append(1) or native(*a))
+    got = recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, pool, read, write)
+    assert not calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
+    write = torch.tensor([[0, 2], [1, 4]])
+    want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
+    got = recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, pool, read, write)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_native_refuses_slots_outside_the_pool():
+    kq, decay, beta, v, pool, _ = _inputs(1, 2, 1, 16, 16, seed=1)       # 8 slots
+    before = pool.clone()
+    for read, write in (([8], [[0, 1]]), ([0], [[1, 8]]), ([-1], [[1, 2]])):
+        with pytest.raises(ValueError, match="outside the pool of 8"):
+            gdn_recurrent_native(kq, decay, beta, v, pool, torch.tensor(read), torch.tensor(write))
+    assert torch.equal(pool, before)
+
+
+def test_native_declines_what_it_cannot_take():
+    assert not can_run_native(torch.zeros(2, 1, 8, 40))                 # dv not a multiple of 16
+    assert not can_run_native(torch.zeros(2, 1, 8, 32, dtype=torch.float64))

@@ -8,22 +8,23 @@ Per token the state S [dk, dv] of each head is read twice and written once, so t
 memory traffic on S (1 MB per request per layer at Qwen3.5-0.8B dims), not arithmetic. With
 S' = a S + k u^T and u = beta (v - a S^T k), the output needs no second read of S':
 o = S'^T q = a S^T q + (k . q) u, so one bmm of the stacked [k; q] against S gives both reads.
-Plain decode (T = 1, every request writing back to its read slot) with large states updates
-each request's state where it lives in the pool: gathering the batch into a copy and
-scattering it back would add two more passes over every state, and one request's state stays
-in L2 between its read and its update. Small states (tiny models) and verify steps go through
-the gathered copy instead, where the per-request loop's ~3 ops per request would cost more than
-the copies; there the cost is op count rather than traffic, so each token takes the naive
-reference's five ops (decay, k^T S, u, rank-1 update, q^T S) instead of the single read's ten.
-On CPU, where the native kernel builds (kernels/cpu/gdn_decode.cpp), plain decode of any state
-size is one call that reads and writes each state once.
+On CPU, where the native kernel builds (kernels/cpu/gdn_recurrent.cpp), decode and verify steps
+of any state size are one call per layer that reads and writes each state once per token.
+The torch forms below serve everywhere else (and are the kernel's reference). Plain decode
+(T = 1, every request writing back to its read slot) with large states updates each request's
+state where it lives in the pool: gathering the batch into a copy and scattering it back would
+add two more passes over every state, and one request's state stays in L2 between its read and
+its update. Small states (tiny models) and verify steps go through the gathered copy instead,
+where the per-request loop's ~3 ops per request would cost more than the copies; there the
+cost is op count rather than traffic, so each token takes the naive reference's five ops
+(decay, k^T S, u, rank-1 update, q^T S) instead of the single read's ten.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cpu.gdn_decode import can_decode_in_place, gdn_decode_in_place
+from ..cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
 from ..slot_pool import scatter_to_slots, slots_valid
 from .qk_norm import normalize_kq
 
@@ -52,11 +53,10 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     decay = g.float().exp()
     if torch.compiler.is_compiling():      # no read-back of the slots: the general form
         return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
-    read = read_slots.tolist()
-    plain = T == 1 and [row[0] for row in write_slots.tolist()] == read   # each row back to its slot
-    if plain and can_decode_in_place(state_pool):   # the native kernel: any state size
-        o = gdn_decode_in_place(kq[:, 0], decay[:, 0], beta[:, 0], v[:, 0], state_pool, read_slots)
-        return o.view(B, 1, Hv, dv).to(v.dtype)
+    read, write = read_slots.tolist(), write_slots.tolist()
+    if can_run_native(state_pool) and rows_independent(read, write):   # any state size and T
+        return gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
+    plain = T == 1 and [row[0] for row in write] == read   # each row back to its slot
     if plain and state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES:
         kq = kq[:, 0]
         qk = (kq[:, :, 0] * kq[:, :, 1]).sum(-1)[..., None, None]        # [B, Hv, 1, 1]
