@@ -114,3 +114,28 @@ def test_native_refuses_slots_outside_the_pool():
 def test_native_declines_what_it_cannot_take():
     assert not can_run_native(torch.zeros(2, 1, 8, 40))                 # dv not a multiple of 16
     assert not can_run_native(torch.zeros(2, 1, 8, 32, dtype=torch.float64))
+
+
+def test_compiled_graphs_call_the_kernel_as_one_op(monkeypatch):
+    """Under torch.compile the rule is the graph op hybrid_engine_cpu::gdn_recurrent, which
+    chooses its form at run time: the kernel for independent rows, the torch form for rows
+    that depend on each other; both equal to eager."""
+    B, T, H, dk, dv = 2, 3, 4, 32, 32
+    kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=11)
+    q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
+    calls = []
+    native = recurrent.gdn_recurrent_native
+    monkeypatch.setattr(recurrent, "gdn_recurrent_native", lambda *a: calls.append(1) or native(*a))
+    compiled = torch.compile(recurrent.recurrent_gated_delta_rule, fullgraph=True)
+    for read, write, uses_kernel in (([1, 4], [[1, 6, 7], [4, 8, 9]], True),
+                                     ([0, 1], [[1, 2, 3], [5, 6, 7]], False)):
+        read, write = torch.tensor(read), torch.tensor(write)
+        want_pool = pool.clone()
+        want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool,
+                                read, write)
+        calls.clear()
+        got_pool = pool.clone()
+        got = compiled(q, k, v, decay.log(), beta, got_pool, read, write)
+        assert calls == ([1] if uses_kernel else [])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)

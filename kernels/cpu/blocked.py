@@ -7,8 +7,8 @@ of k, [N/16, ceil(K/2), 16, 2], the layout AVX512-BF16's dot product reads (odd 
 
 The kernel is built on first use (kernels/cpu/build.py) and called through ctypes. Where it
 cannot be built or run `native_available()` is False and callers keep their unblocked weights.
-Under torch.compile the call is the custom op `hybrid_engine_cpu::blocked_linear`, so inductor
-leaves it as one extern call.
+Under torch.compile the call is the graph op `hybrid_engine_cpu::blocked_linear` (graph_op.py),
+so inductor leaves it as one extern call.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .build import load_library
+from .graph_op import define_graph_op
 
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
 BLOCK = 16
@@ -64,7 +65,7 @@ def native_available() -> bool:
 def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] with the native kernel (`native_available()` must hold)."""
     if torch.compiler.is_compiling():
-        return torch.ops.hybrid_engine_cpu.blocked_linear(x, w_blocked)
+        return _blocked_linear_op(x, w_blocked)
     return _blocked_linear_native(x, w_blocked)
 
 
@@ -85,14 +86,9 @@ def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Te
     return y.reshape(*lead, nb * BLOCK)
 
 
-@torch.library.custom_op("hybrid_engine_cpu::blocked_linear", mutates_args=())
-def _blocked_linear_op(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
-    return _blocked_linear_native(x, w_blocked)
-
-
-@_blocked_linear_op.register_fake
-def _(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK)
+_blocked_linear_op = define_graph_op(
+    "blocked_linear(Tensor x, Tensor w_blocked) -> Tensor", _blocked_linear_native,
+    lambda x, w_blocked: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK))
 
 
 # ---- loading the kernel ------------------------------------------------------------------------

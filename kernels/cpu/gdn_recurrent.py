@@ -20,8 +20,12 @@ MAX_DV = 512
 def can_run_native(state_pool: torch.Tensor) -> bool:
     _, _, dk, dv = state_pool.shape
     return (state_pool.device.type == "cpu" and state_pool.dtype == torch.float32
-            and state_pool.is_contiguous() and dv % 16 == 0 and dv <= MAX_DV
-            and not torch.compiler.is_compiling() and _library() is not None)
+            and state_pool.is_contiguous() and dv % 16 == 0 and dv <= MAX_DV and native_available())
+
+
+@torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
+def native_available() -> bool:
+    return _library() is not None
 
 
 def rows_independent(read: list[int], write: list[list[int]]) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
+from ..cpu.graph_op import define_graph_op
 from ..slot_pool import scatter_to_slots, slots_valid
 from .qk_norm import normalize_kq
 
@@ -48,24 +49,46 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     along t keeps the last state; rows of one step must not share a write slot.
     Returns o: [B, T, Hv, dv] in v.dtype.
     """
-    B, T, Hv, dv = v.shape
+    Hv = v.shape[2]
     kq = normalize_kq(q, k, Hv, scale, use_qk_l2norm)                # [B, T, Hv, 2, dk]: k, scaled q
     decay = g.float().exp()
-    if torch.compiler.is_compiling():      # no read-back of the slots: the general form
-        return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
+    if not torch.compiler.is_compiling():
+        return _from_slots(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
+    if can_run_native(state_pool):
+        # The native kernel as an opaque op of the graph (it decides at run time, from the
+        # slots, whether it may run or the torch forms must: _from_slots).
+        o = _gdn_recurrent_op(kq, decay, beta, v, state_pool, read_slots, write_slots)
+        return o.to(v.dtype)
+    # No read-back of the slots under tracing: the general form.
+    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
+
+
+def _from_slots(kq, decay, beta, v, state_pool, read_slots, write_slots) -> torch.Tensor:
+    """The eager choice of form, which reads the slots back -> o [B, T, Hv, dv] float32."""
+    B, T, Hv, dv = v.shape
     read, write = read_slots.tolist(), write_slots.tolist()
     if can_run_native(state_pool) and rows_independent(read, write):   # any state size and T
-        return gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
+        return gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots)
     plain = T == 1 and [row[0] for row in write] == read   # each row back to its slot
-    if plain and state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES:
+    if plain and _large(state_pool):
         kq = kq[:, 0]
         qk = (kq[:, :, 0] * kq[:, :, 1]).sum(-1)[..., None, None]        # [B, Hv, 1, 1]
         o = _decode_in_place(kq, qk, decay[:, 0, :, None, None], beta.float()[:, 0, :, None, None],
                              v.float()[:, 0, :, None, :], state_pool, read)
-        return o.view(B, 1, Hv, dv).to(v.dtype)
+        return o.view(B, 1, Hv, dv)
     # A single plain decode needs no copy at any size: its one state is updated in its slot.
     in_place_slot = read[0] if plain and B == 1 else None
-    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot).to(v.dtype)
+    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot)
+
+
+_gdn_recurrent_op = define_graph_op(
+    "gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
+    "Tensor read_slots, Tensor write_slots) -> Tensor", _from_slots,
+    lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32))
+
+
+def _large(state_pool: torch.Tensor) -> bool:
+    return state_pool.stride(0) * state_pool.element_size() >= IN_PLACE_MIN_BYTES
 
 
 def _decode_in_place(kq, qk, decay, beta, v, state_pool, slots):
