@@ -27,7 +27,7 @@ class ModelRunner:
         self.compiled = compiled
         # CPU weight layouts (models/linear.py): float32 blocked for the native kernel, which
         # compiled steps call too; bf16/fp16 reordered for oneDNN, except under compiled steps,
-        # which pack their own (inductor's freezing); eager bf16 also keeps a blocked copy for
+        # which pack their own (inductor's freezing); bf16 also keeps a blocked copy for
         # products of a few rows unless told not to.
         model.pack_weights(onednn=compiled is None, few_rows_copy=bf16_few_rows_copy)
         if decode_graphs is not None:

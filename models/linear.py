@@ -50,15 +50,22 @@ BLOCKED_MIN_BYTES = 1 << 20
 FEW_ROWS = 4
 
 
+# Set by hybrid_engine/compiled_steps.py around each compiled call: whether its products have at
+# most FEW_ROWS rows. Traced code reads it as a constant (dynamo guards on it: one graph each way),
+# where a test of the symbolic row count would specialise the graph.
+few_rows_graph = False
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear without bias; the native kernel for a blocked weight, oneDNN's matmul for a
-    packed one (`pack_weights`)."""
+    packed one (`pack_weights`); a weight's blocked copy for few rows (`add_few_rows_twin`)."""
     if weight.dim() > 2:
         return blocked_linear(x, weight)
+    few_rows = getattr(weight, "few_rows", None)
+    if few_rows is not None and (few_rows_graph if torch.compiler.is_compiling()
+                                 else x.numel() <= FEW_ROWS * x.shape[-1]):
+        return blocked_linear(x, few_rows)
     if weight.is_mkldnn:
-        few_rows = getattr(weight, "few_rows", None)      # see add_few_rows_twin
-        if few_rows is not None and x.numel() <= FEW_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
-            return blocked_linear(x, few_rows)
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     # (Not while traced: a test of the symbolic row count would specialise the compiled graph.)
     if (not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] in TRANSPOSED_ROWS
@@ -116,26 +123,39 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def add_few_rows_twin(packed: torch.Tensor, weight: torch.Tensor) -> None:
-    """A oneDNN-packed bf16 weight gets a blocked copy as `packed.few_rows` for products of up to
-    FEW_ROWS rows (batch-1 decode, MTP verify at k <= 3): there the native kernel's AVX512-BF16
-    dot products stream 1.3-1.5x faster than oneDNN (26-28 vs 18-20 GB/s at 0.8B shapes), while
-    from 8 rows on oneDNN's AMX kernel is faster, 2.5x at 32 rows and more for prefill. The
-    price is a second copy of the bf16 weights (as much memory as float32 weights)."""
-    if packed.is_mkldnn and weight.dtype == torch.bfloat16 and worth_blocking(weight) and can_block(weight):
+    """A bf16 weight, oneDNN-packed or (under compiled steps, whose graphs pack their own) plain,
+    gets a blocked copy as `packed.few_rows` for products of up to FEW_ROWS rows (batch-1 decode,
+    MTP verify at k <= 3): there the native kernel's AVX512-BF16 dot products stream 1.3-1.5x
+    faster than oneDNN (26-28 vs 18-20 GB/s at 0.8B shapes), while from 8 rows on oneDNN's AMX
+    kernel is faster, 2.5x at 32 rows and more for prefill. The price is a second copy of the
+    bf16 weights (as much memory as float32 weights)."""
+    if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and worth_blocking(weight)
+            and can_block(weight)):
         packed.few_rows = block_weight(weight)
+
+
+def add_plain_few_rows_twin(weight: torch.Tensor, onednn: bool) -> None:
+    """With onednn=False (compiled steps: inductor packs the weights of its graphs) a bf16
+    weight oneDNN would have packed stays plain and gets the few-rows copy itself."""
+    if not onednn and can_pack_onednn(weight):
+        add_few_rows_twin(weight, weight)
 
 
 def pack_weights(module: nn.Module, names: list[str], onednn: bool = True, few_rows_copy: bool = True) -> None:
     """Packs module.<name> for each name: a merged-projection buffer or a child Linear's weight
-    ("out_proj.weight"); onednn=False leaves the weights oneDNN would pack as they are;
-    few_rows_copy=False skips `add_few_rows_twin`. A merged
+    ("out_proj.weight"); onednn=False leaves the weights oneDNN would pack as they are (bf16
+    ones still get their few-rows copy); few_rows_copy=False skips `add_few_rows_twin`. A merged
     buffer's children lose their (now stale) weights to the meta device, so the old layout is
     freed."""
     for name in names:
         owner_path, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_path)
         weight = getattr(owner, attr)
-        if weight.is_mkldnn or weight.dim() != 2 or not can_pack(weight, onednn):
+        if weight.is_mkldnn or weight.dim() != 2:
+            continue
+        if not can_pack(weight, onednn):
+            if few_rows_copy:
+                add_plain_few_rows_twin(weight, onednn)
             continue
         packed = pack_weight(weight)
         if isinstance(weight, nn.Parameter):

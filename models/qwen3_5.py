@@ -15,7 +15,7 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import add_few_rows_twin, can_pack, linear, pack_weight, pack_weights, worth_blocking
+from .linear import add_few_rows_twin, add_plain_few_rows_twin, can_pack, linear, pack_weight, pack_weights, worth_blocking
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -91,6 +91,8 @@ class HybridForCausalLM(nn.Module):
         for module in self.modules():
             pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn, few_rows_copy)
         weight = self.lm_head_weight()
+        if self.packed_lm_head is None and few_rows_copy:
+            add_plain_few_rows_twin(weight, onednn)
         if self.packed_lm_head is None and can_pack(weight, onednn):
             self.packed_lm_head = pack_weight(weight)
             if few_rows_copy:
@@ -119,6 +121,8 @@ def _unpin_shared_storages(model: nn.Module) -> None:
         if t.is_mkldnn or (t.dim() > 2 and worth_blocking(t)):
             continue                                # packed or blocked (copies already), or experts
         copy = t.detach().clone()
+        if hasattr(t, "few_rows"):
+            copy.few_rows = t.few_rows              # a plain bf16 weight's blocked copy (linear.py)
         if isinstance(t, nn.Parameter):
             setattr(module, name, nn.Parameter(copy, requires_grad=t.requires_grad))
         else:

@@ -175,3 +175,39 @@ def test_engine_keeps_the_bf16_few_rows_copy_only_when_asked():
     assert all(len(o.token_ids) == 4 for o in outs.values())
     with pytest.raises(ValueError, match="bf16_few_rows_copy must be a bool"):
         EngineConfig(bf16_few_rows_copy="yes").validate()
+
+
+@needs_bf16
+@pytest.mark.parametrize("few_rows_graph", [True, False])
+def test_plain_bf16_weight_keeps_a_twin_for_compiled_few_rows_graphs(monkeypatch, few_rows_graph):
+    """Compiled steps leave bf16 weights plain (inductor packs its own) with their blocked copy;
+    a graph traced with `few_rows_graph` set calls the blocked op, one traced without calls
+    the plain product. Both compute x W^T."""
+    from torch import nn
+    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)
+    m = nn.Module()
+    m.a = nn.Linear(64, 48, bias=False).bfloat16()
+    pack_weights(m, ["a.weight"], onednn=False)
+    assert not m.a.weight.is_mkldnn and m.a.weight.few_rows.shape == (3, 32, 16, 2)
+    targets = []
+
+    def backend(gm, _inputs):
+        targets.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: linear(x, m.a.weight), backend=backend, dynamic=True)
+    x = torch.randn(3, 64).bfloat16()
+    monkeypatch.setattr(linear_mod, "few_rows_graph", few_rows_graph)
+    y = f(x)
+    assert (torch.ops.hybrid_engine_cpu.blocked_linear.default in targets) == few_rows_graph
+    torch.testing.assert_close(y.float(), F.linear(x.float(), m.a.weight.float()), rtol=2e-2, atol=2e-2)
+
+
+@needs_bf16
+def test_compiled_steps_set_the_few_rows_flag_by_the_step_row_count():
+    from hybrid_engine.compiled_steps import _tracing_config
+    seen = []
+    for rows in (1, linear_mod.FEW_ROWS, linear_mod.FEW_ROWS + 1):
+        with _tracing_config(False, rows):
+            seen.append(linear_mod.few_rows_graph)
+    assert seen == [True, True, False] and linear_mod.few_rows_graph is False
