@@ -15,7 +15,8 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import add_few_rows_twin, add_plain_few_rows_twin, can_pack, linear, pack_weight, pack_weights, worth_blocking
+from .linear import (add_few_rows_twin, add_plain_few_rows_twin, can_pack, linear, pack_weight, pack_weights,
+                     worth_blocking)
 from .mlp import make_mlp
 from .mtp import MTPHead
 
