@@ -24,9 +24,10 @@ class EngineConfig:
     # faster steps after tens of seconds of compiling (SGLang's --enable-torch-compile). Off
     # where CUDA graphs already take those steps.
     enable_torch_compile: bool = False
-    # CPU bfloat16, eager: keep a second, blocked copy of the weights for products of 1-4 rows
+    # CPU bfloat16: keep a second, blocked copy of the weights for products of 1-4 rows
     # (batch-1 decode, MTP verify), where the native AVX512-BF16 kernel streams faster than
-    # oneDNN (models/linear.py). Costs one more bf16 weight-size of memory; False saves it.
+    # oneDNN (models/linear.py); eager and compiled steps both use it. Costs one more bf16
+    # weight-size of memory; False saves it.
     bf16_few_rows_copy: bool = True
 
     def validate(self) -> None:
