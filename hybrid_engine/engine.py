@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import time
 
 import torch
@@ -128,6 +129,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:   # the tokenizers would raise a TypeError
+                raise ValueError(f"prompt is not valid text: {e.reason} at character {e.start} "
+                                 f"({prompt[e.start]!r})") from None
             if self.tokenizer is None:
                 raise ValueError("text prompt given but the model folder has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -137,9 +143,13 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("a token-id prompt must be a list of ints")
-            ids, text = list(prompt), None
+            # numbers.Integral admits numpy ints; bool is an int but never a token id.
+            bad = next((i for i, t in enumerate(prompt)
+                        if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+            if bad is not None:
+                raise ValueError(f"a token-id prompt must be a list of ints; item {bad} is "
+                                 f"{type(prompt[bad]).__name__} {prompt[bad]!r}")
+            ids, text = [int(t) for t in prompt], None
         else:
             raise ValueError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         vocab = self.model_config.vocab_size
@@ -159,11 +169,23 @@ class LLMEngine:
         params.validate(self.model_config.vocab_size)
         return params
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue one request; a bad one raises ValueError and changes nothing."""
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_text: str | None = None) -> str:
+        """Validate and queue one request; a bad one raises ValueError and changes nothing.
+        prompt_text: the text a token-id prompt was encoded from, for its outputs (EngineLoop
+        tokenizes in the caller's thread, not on the loop's)."""
         params = self.validate_params(params)
         text, ids = self.encode_prompt(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if prompt_text is not None:
+            if text is not None:
+                raise ValueError("prompt_text goes with a token-id prompt, not a text one")
+            text = prompt_text
+        if request_id is None:
+            # Automatic ids skip any id in use, whoever chose it.
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params, self.eos_token_ids)
