@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 
 import torch
@@ -108,6 +109,7 @@ class LLMEngine:
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
         self.sampler = Sampler()
+        self._seed_source = random.Random()     # OS entropy: unseeded requests differ run to run
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
@@ -173,7 +175,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, text, ids, params, self.eos_token_ids)
+        req = Request(request_id, text, ids, params, self.eos_token_ids, sampling_seed=self.sampling_seed(params))
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
         if self.tokenizer is not None:
@@ -181,6 +183,11 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def sampling_seed(self, params: SamplingParams) -> int:
+        """The seed that keys a request's sampling: its own, or for an unseeded request a fresh
+        one from the engine's seed source (the one place unseeded randomness comes from)."""
+        return params.seed if params.seed is not None else self._seed_source.getrandbits(64)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its memory at once."""
@@ -287,7 +294,8 @@ class LLMEngine:
             banned = list(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
                 banned += req.eos_token_ids
-        return SamplingRow(req.params, req.prompt_token_ids, output, req.generator, banned)
+        return SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_seed,
+                           len(req.output_token_ids) + len(extra), banned)
 
 
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:
