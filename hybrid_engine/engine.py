@@ -75,9 +75,10 @@ class LLMEngine:
         if config.model is None:
             from .default_model import default_model_path
             config.model = str(default_model_path())
-        self.model, self.model_config = load_model(config.model, config.dtype, config.device)
-        self.tokenizer = load_tokenizer(config.model)
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
+        # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
+        self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0)
+        self.tokenizer = load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         if config.max_num_batched_tokens < config.max_num_seqs * (1 + k):
