@@ -29,7 +29,7 @@ from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import StepInputBuilder, StepInputs
-from .step_update import SegmentResult, StepOutput, StepUpdater, request_output
+from .step_update import SegmentResult, StepOutput, StepUpdater, request_output, take_text_delta
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -197,7 +197,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req)
         req.finish_reason = "abort"
-        return request_output(req, [], "")
+        return request_output(req, [], take_text_delta(req))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
