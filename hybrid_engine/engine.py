@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import random
 import time
 
 import torch
@@ -29,7 +30,7 @@ from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import StepInputBuilder, StepInputs
-from .step_update import SegmentResult, StepOutput, StepUpdater, request_output
+from .step_update import SegmentResult, StepOutput, StepUpdater, request_output, take_text_delta
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -75,9 +76,10 @@ class LLMEngine:
         if config.model is None:
             from .default_model import default_model_path
             config.model = str(default_model_path())
-        self.model, self.model_config = load_model(config.model, config.dtype, config.device)
-        self.tokenizer = load_tokenizer(config.model)
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
+        # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
+        self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0)
+        self.tokenizer = load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         if config.max_num_batched_tokens < config.max_num_seqs * (1 + k):
@@ -109,6 +111,7 @@ class LLMEngine:
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
         self.sampler = Sampler()
+        self._seed_source = random.Random()     # OS entropy: unseeded requests differ run to run
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
@@ -195,7 +198,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, text, ids, params, self.eos_token_ids)
+        req = Request(request_id, text, ids, params, self.eos_token_ids, sampling_seed=self.sampling_seed(params))
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
         if self.tokenizer is not None:
@@ -204,6 +207,11 @@ class LLMEngine:
         self.scheduler.add(req)
         return request_id
 
+    def sampling_seed(self, params: SamplingParams) -> int:
+        """The seed that keys a request's sampling: its own, or for an unseeded request a fresh
+        one from the engine's seed source (the one place unseeded randomness comes from)."""
+        return params.seed if params.seed is not None else self._seed_source.getrandbits(64)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its memory at once."""
         req = self.requests.pop(str(request_id), None)
@@ -211,7 +219,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req)
         req.finish_reason = "abort"
-        return request_output(req, [], "")
+        return request_output(req, [], take_text_delta(req))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -309,7 +317,8 @@ class LLMEngine:
             banned = list(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
                 banned += req.eos_token_ids
-        return SamplingRow(req.params, req.prompt_token_ids, output, req.generator, banned)
+        return SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_seed,
+                           len(req.output_token_ids) + len(extra), banned)
 
 
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:

@@ -31,6 +31,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     logprobs: int | None = None  # N most likely tokens (plus the chosen one) per step
+    # vLLM's: keep a stop string, and a stop token's text, in the output text (dropped by default)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -81,6 +83,8 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", self.ignore_eos, "a bool")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            _fail("include_stop_str_in_output", self.include_stop_str_in_output, "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= vocab_size):
             _fail("logprobs", self.logprobs, f"None or an int in [0, {vocab_size}]")
 
