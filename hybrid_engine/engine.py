@@ -78,6 +78,10 @@ class LLMEngine:
                              f"max_num_seqs * (1 + num_speculative_tokens) = {config.max_num_seqs * (1 + k)}")
         spec = cache_spec_for(self.model_config, self.model, config.block_size)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:   # refused as vLLM does
+            raise ValueError(f"max_model_len ({max_len}) is greater than the model's max_position_embeddings "
+                             f"({self.model_config.max_position_embeddings}) in {config.model}/config.json; "
+                             "positions past it were never trained")
         budget = config.cache_memory_bytes
         if budget is None:
             per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)
