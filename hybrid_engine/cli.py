@@ -202,8 +202,24 @@ def sampling_params(args, **fixed):
 
     names = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "stop",
              "repetition_penalty", "ignore_eos")
-    values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    values.update(fixed)
+    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    given.update(fixed)
+    values = dict(args.builtin_sampling)
+    if args.model_sampling_defaults:
+        from .default_model import default_model_path
+        from .generation_defaults import FILE_NAME, describe, load_generation_defaults
+
+        folder = args.model or default_model_path()
+        try:
+            from_model = load_generation_defaults(folder)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        used = {k: v for k, v in from_model.items() if k not in given}
+        if used:
+            print(f"[sampling defaults from {Path(folder) / FILE_NAME}: {describe(used)}; "
+                  "flags override them]", file=sys.stderr)
+        values.update(used)
+    values.update(given)
     params = SamplingParams(**values)
     try:
         params.validate(vocab_size=2**31)   # no vocabulary-dependent field comes from the command line
@@ -213,17 +229,24 @@ def sampling_params(args, **fixed):
     return params
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int, full: bool = True) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int, full: bool = True,
+                           model_defaults: bool = False) -> None:
+    """model_defaults: flags left out take the model folder's generation_config.json values
+    (then the defaults below); the flags' defaults are None so that given ones are known."""
+    where = "the model's generation_config.json, else " if model_defaults else ""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate (default: {where}{max_tokens})")
+    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default: {where}0)")
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="keep generating past the end-of-sequence token")
+    parser.set_defaults(builtin_sampling={"max_tokens": max_tokens, "temperature": 0.0},
+                        model_sampling_defaults=model_defaults)
     if full:
-        g.add_argument("--top-k", type=int, default=-1, help="-1 = the whole vocabulary (default)")
-        g.add_argument("--top-p", type=float, default=1.0)
-        g.add_argument("--min-p", type=float, default=0.0)
-        g.add_argument("--repetition-penalty", type=float, default=1.0)
+        g.add_argument("--top-k", type=int, default=None, help=f"-1 = the whole vocabulary (default: {where}-1)")
+        g.add_argument("--top-p", type=float, default=None, help=f"(default: {where}1.0)")
+        g.add_argument("--min-p", type=float, default=None, help=f"(default: {where}0.0)")
+        g.add_argument("--repetition-penalty", type=float, default=None, help=f"(default: {where}1.0)")
         g.add_argument("--stop", action="append", default=None, metavar="STRING",
                        help="stop at this string (repeatable)")
 

@@ -33,7 +33,7 @@ LINE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "
 
 def add_arguments(parser) -> None:
     add_prompt_arguments(parser)
-    add_sampling_arguments(parser, max_tokens=64)
+    add_sampling_arguments(parser, max_tokens=64, model_defaults=True)
     add_engine_arguments(parser)
     parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                         help="MTP speculative decoding with K draft tokens (default: off)")
