@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import random
 import numbers
 import time
 
@@ -108,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._request_seeds = random.Random(config.seed)
         self.eos_token_ids = list(self.model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
@@ -192,6 +195,11 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.seed is None and not params.is_greedy:
+            # The engine's seed reaches every unseeded sampled request as a seed of its own,
+            # drawn in arrival order: the same calls give the same samples run to run (vLLM's
+            # LLM(seed=...)), whatever else shares their batches. The caller's params stay as given.
+            params = dataclasses.replace(params, seed=self._request_seeds.getrandbits(63))
         req = Request(request_id, text, ids, params, self.eos_token_ids)
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
