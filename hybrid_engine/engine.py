@@ -87,6 +87,10 @@ class LLMEngine:
                              f"max_num_seqs * (1 + num_speculative_tokens) = {config.max_num_seqs * (1 + k)}")
         spec = cache_spec_for(self.model_config, self.model, config.block_size)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:   # refused as vLLM does
+            raise ValueError(f"max_model_len ({max_len}) is greater than the model's max_position_embeddings "
+                             f"({self.model_config.max_position_embeddings}) in {config.model}/config.json; "
+                             "positions past it were never trained")
         budget = config.cache_memory_bytes
         if budget is None:
             per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)
@@ -111,7 +115,10 @@ class LLMEngine:
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
         self.sampler = Sampler()
-        self._seed_source = random.Random()     # OS entropy: unseeded requests differ run to run
+        # The engine's seed reaches every unseeded request as a seed of its own, drawn in
+        # arrival order: the same calls give the same samples run to run (vLLM's LLM(seed=...)),
+        # whatever else shares their batches.
+        self._seed_source = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
