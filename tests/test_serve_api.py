@@ -259,3 +259,12 @@ def _metric(server, line_start: str) -> float:
         if line.startswith(line_start + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_overloaded_is_503_and_clears(llm):
+    app = create_app(llm.loop, model_name="default", max_pending_requests=2)
+    with BackgroundServer(app) as s:
+        r = _post(s, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 2, "n": 3})
+        assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
+        assert app.state.serve.client.num_pending == 0
+        assert len(client(s).completions.create(model="default", prompt="x", max_tokens=2, n=2).choices) == 2
