@@ -65,17 +65,22 @@ def test_64_concurrent_streams_equal_offline_greedy(llms):
         assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="default",position="1"}' in mtp_metrics
 
 
-def test_20_clients_disconnecting_mid_stream_leak_nothing(llms, monkeypatch):
-    plain, _ = llms
-    aborted = []   # what the engine held for each request when the abort reached it
-    abort_request = plain.engine.abort_request
+def record_aborts(engine, monkeypatch) -> list:
+    """The outputs of every abort the engine carries out: what each request held by then."""
+    aborted, abort_request = [], engine.abort_request
 
     def recording_abort(request_id):
         out = abort_request(request_id)
         if out is not None:
             aborted.append(out)
         return out
-    monkeypatch.setattr(plain.engine, "abort_request", recording_abort)
+    monkeypatch.setattr(engine, "abort_request", recording_abort)
+    return aborted
+
+
+def test_20_clients_disconnecting_mid_stream_leak_nothing(llms, monkeypatch):
+    plain, _ = llms
+    aborted = record_aborts(plain.engine, monkeypatch)
     with running_server(plain.loop) as server:
         async def disconnect_after_two_chunks(http: httpx.AsyncClient, i: int) -> int:
             body = {"model": "default", "prompt": PROMPTS[i], "max_tokens": 2000, "ignore_eos": True,
@@ -100,3 +105,15 @@ def test_20_clients_disconnecting_mid_stream_leak_nothing(llms, monkeypatch):
         assert (usage["blocks_used"], usage["slots_used"], usage["num_engine_requests"]) == (0, 0, 0)
         assert server.app.state.serve.client.num_pending == 0
         assert cache_usage(plain.loop)["unfinished"] is False
+
+
+def test_a_non_streaming_client_that_gives_up_is_aborted(llms, monkeypatch):
+    plain, _ = llms
+    aborted = record_aborts(plain.engine, monkeypatch)
+    with running_server(plain.loop) as server:
+        body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "n": 2}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+        usage = wait_until_empty(plain.loop, timeout=10)
+        assert (usage["blocks_used"], usage["slots_used"], usage["num_engine_requests"]) == (0, 0, 0)
+        assert len(aborted) == 2 and all(len(o.token_ids) < 3000 for o in aborted)

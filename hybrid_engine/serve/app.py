@@ -64,6 +64,10 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
     async def api_error(_, e: APIError):
         return e.response()
 
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):   # a bug or an engine fault: still an OpenAI body
+        return error_response(500, f"{type(e).__name__}: {e}")
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
