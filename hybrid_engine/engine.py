@@ -1,9 +1,16 @@
-"""The engine loop: add requests, step, abort. One step = schedule, build, forward, sample, update."""
+"""The engine loop: add requests, step, abort.
+
+One step = schedule -> build -> forward -> sample / verify -> draft -> update: the scheduler
+picks the batch and reserves its memory, the builder packs it, the model runs, the sampler
+and verifier turn logits into emitted tokens, the MTP drafter proposes the next drafts, and
+hybrid_engine/step_update.py applies all of it (tokens, stops, commits, frees) in one place.
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import time
 
 import torch
@@ -16,12 +23,13 @@ from .config import EngineConfig
 from .compiled_steps import CompiledSteps
 from .decode_graphs import DecodeGraphs, default_buckets, graphs_supported
 from .model_runner import ModelRunner
-from .outputs import Prefix, RequestOutput
-from .request import Request, RequestStatus
+from .outputs import RequestOutput
+from .request import Request
 from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .step_inputs import StepInputBuilder
+from .step_inputs import StepInputBuilder, StepInputs
+from .step_update import SegmentResult, StepOutput, StepUpdater, request_output
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -99,9 +107,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
         self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
+        self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -128,6 +136,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:   # the tokenizers would raise a TypeError
+                raise ValueError(f"prompt is not valid text: {e.reason} at character {e.start} "
+                                 f"({prompt[e.start]!r})") from None
             if self.tokenizer is None:
                 raise ValueError("text prompt given but the model folder has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -137,9 +150,13 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("a token-id prompt must be a list of ints")
-            ids, text = list(prompt), None
+            # numbers.Integral admits numpy ints; bool is an int but never a token id.
+            bad = next((i for i, t in enumerate(prompt)
+                        if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+            if bad is not None:
+                raise ValueError(f"a token-id prompt must be a list of ints; item {bad} is "
+                                 f"{type(prompt[bad]).__name__} {prompt[bad]!r}")
+            ids, text = [int(t) for t in prompt], None
         else:
             raise ValueError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         vocab = self.model_config.vocab_size
@@ -159,19 +176,31 @@ class LLMEngine:
         params.validate(self.model_config.vocab_size)
         return params
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue one request; a bad one raises ValueError and changes nothing."""
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_text: str | None = None) -> str:
+        """Validate and queue one request; a bad one raises ValueError and changes nothing.
+        prompt_text: the text a token-id prompt was encoded from, for its outputs (EngineLoop
+        tokenizes in the caller's thread, not on the loop's)."""
         params = self.validate_params(params)
         text, ids = self.encode_prompt(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if prompt_text is not None:
+            if text is not None:
+                raise ValueError("prompt_text goes with a token-id prompt, not a text one")
+            text = prompt_text
+        if request_id is None:
+            # Automatic ids skip any id in use, whoever chose it.
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params, self.eos_token_ids)
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
-        self.requests[request_id] = req
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
 
@@ -182,8 +211,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req)
         req.finish_reason = "abort"
-        self._detok.pop(req.request_id, None)
-        return self._output(req, [], "")
+        return request_output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -206,33 +234,19 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         inputs = self.builder.build(sched, self.cache)
         hidden, logits = self.runner.forward(inputs)
-        emitted = self._sample(inputs, logits)
-        outputs, catchups = [], []
-        for seg in inputs.segments:
-            req = seg.request
-            if not seg.is_decode:
-                req.num_computed_tokens += seg.num_tokens
-            tokens, logprobs = emitted.get(id(seg), ([], []))
-            if seg.is_decode:
-                self._commit_verified(seg, len(tokens) - 1)
-            new = []
-            for tok, lp in zip(tokens, logprobs):
-                new.append(tok)
-                if self._append_token(req, tok, lp):
-                    break
-            if tokens:
-                outputs.append(self._output(req, new, self._take_delta(req)))
-            if self.drafter is not None and not req.is_finished:
-                catchups.append(self._catchup(seg, hidden, req))
-        if self.drafter is not None:
-            for rid, drafts in self.drafter.run(catchups).items():
-                self.requests[rid].draft_token_ids = drafts
+        results = self._sample(inputs, logits)
+        drafts = self._draft(results, hidden)
+        outputs = self.updater.update(StepOutput(results, drafts))
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
         return outputs
 
-    def _sample(self, inputs, logits: torch.Tensor) -> dict[int, tuple[list[int], list]]:
-        """Tokens emitted per sampling segment: one for a prefill or plain decode, 1..k+1 for a
-        verify. Greedy segments without penalties, logprobs or banned tokens skip the sampler
-        (one argmax over all of their rows); every other row is sampled in one sampler call."""
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[SegmentResult]:
+        """Tokens emitted per segment: none for a prefill chunk short of the end, one for a
+        prefill's end or a plain decode, 1..k+1 for a verify. Greedy segments without penalties,
+        logprobs or banned tokens skip the sampler (one argmax over all of their rows); every
+        other row is sampled in one sampler call."""
         result, greedy, sampled, rows = {}, [], [], []
         for span in inputs.sample_spans:
             seg, _, n = span
@@ -255,12 +269,7 @@ class LLMEngine:
                 m = accept_sampled(toks, seg.request.draft_token_ids) if n > 1 else 1
                 result[id(seg)] = (toks[:m], lps[:m])
                 at += n
-        for seg, _, n in inputs.sample_spans:
-            if n > 1:
-                accepted = len(result[id(seg)][0]) - 1
-                seg.request.spec_stats.record(n - 1, accepted)
-                self.spec_stats.record(n - 1, accepted)
-        return result
+        return [SegmentResult(seg, *result.get(id(seg), ([], []))) for seg in inputs.segments]
 
     @staticmethod
     def _is_plain_greedy(req: Request) -> bool:
@@ -268,23 +277,25 @@ class LLMEngine:
         return (p.is_greedy and p.logprobs is None and not _has_penalties(p)
                 and len(req.output_token_ids) >= p.min_tokens)
 
-    def _commit_verified(self, seg, accepted: int) -> None:
-        """Rewind after a verify: KV length C + accepted + 1; the committed GDN state becomes
-        the one saved after the last accepted position, chosen by slot (no copy, no recompute)."""
-        req = seg.request
-        req.num_computed_tokens = seg.start + accepted + 1
-        if accepted > 0:
-            self.cache.promote_draft_slot(req.request_id, accepted - 1)
-        req.draft_token_ids = []
+    def _draft(self, results: list[SegmentResult], hidden: torch.Tensor) -> dict[str, list[int]]:
+        """The MTP drafter catches up over what each segment commits and proposes the drafts of
+        each request that sampled (none without speculation)."""
+        if self.drafter is None:
+            return {}
+        return self.drafter.run([c for r in results if (c := self._catchup(r, hidden)) is not None])
 
-    def _catchup(self, seg, hidden: torch.Tensor, req: Request) -> CatchUp:
-        """The MTP inputs for the positions this step committed: h_i with token i+1."""
-        n = req.num_computed_tokens - seg.start
-        # Keep KV blocks for the committed tokens plus the k-1 positions drafting writes.
-        if seg.samples:
-            self.cache.truncate(req.request_id, req.num_computed_tokens + self.scheduler.lookahead)
-        return CatchUp(req.request_id, seg.start, req.token_ids_in(seg.start + 1, seg.start + n + 1),
-                       hidden[seg.first_row:seg.first_row + n], draft=seg.samples)
+    def _catchup(self, result: SegmentResult, hidden: torch.Tensor) -> CatchUp | None:
+        """The MTP inputs for the positions this step commits: h_i with token i+1, where the
+        tokens past the known ones are this step's emitted tokens (not appended yet). None for a
+        request this step finishes by length: its drafts would be thrown away."""
+        seg, req, emitted = result.segment, result.segment.request, result.token_ids
+        if emitted and (len(req.output_token_ids) + len(emitted) >= req.params.max_tokens
+                        or req.num_tokens + len(emitted) >= self.max_model_len):
+            return None
+        n = len(emitted) if seg.is_decode else seg.num_tokens
+        next_tokens = req.token_ids_in(seg.start + 1, seg.start + n + 1 - len(emitted)) + emitted
+        return CatchUp(req.request_id, seg.start, next_tokens, hidden[seg.first_row:seg.first_row + n],
+                       draft=seg.samples)
 
     def _sampling_row(self, req: Request, extra: list[int] = ()) -> SamplingRow:
         """`extra`: tokens accepted earlier in the same verify, not yet appended. Only penalties
@@ -299,71 +310,6 @@ class LLMEngine:
             if not req.params.ignore_eos:
                 banned += req.eos_token_ids
         return SamplingRow(req.params, req.prompt_token_ids, output, req.generator, banned)
-
-    def _append_token(self, req: Request, tok: int, logprobs) -> bool:
-        """Appends one token and applies every stop rule; True when the request finished."""
-        now = time.monotonic()
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.output_token_ids.append(tok)
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
-        p = req.params
-        delta_len = 0
-        detok = self._detok.get(req.request_id)
-        if detok is not None:
-            delta_len = len(detok.update(req.output_token_ids))
-            req.text = detok.text
-        if not p.ignore_eos and tok in req.eos_token_ids:
-            req.finish_reason = "stop"
-        elif p.stop_token_ids and tok in p.stop_token_ids:
-            req.finish_reason, req.stop_reason = "stop", tok
-        elif p.stop and detok is not None:
-            self._cut_at_stop_string(req, delta_len)
-        if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
-                                          or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-        if req.finish_reason is None:
-            return False
-        req.metrics.finished_time = now
-        self.scheduler.finish(req)
-        self.requests.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
-        return True
-
-    @staticmethod
-    def _take_delta(req: Request) -> str:
-        """Text not yet streamed (a stop string cut never un-streams text already sent)."""
-        delta = req.text[req.streamed_len:]
-        req.streamed_len = max(req.streamed_len, len(req.text))
-        return delta
-
-    def _cut_at_stop_string(self, req: Request, delta_len: int) -> bool:
-        longest = max(len(s) for s in req.params.stop)
-        search_from = max(0, len(req.text) - delta_len - longest + 1)
-        hits = [(i, s) for s in req.params.stop if (i := req.text.find(s, search_from)) >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        req.text = req.text[:i]
-        req.finish_reason, req.stop_reason = "stop", s
-        return True
-
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        m = req.metrics
-        logprobs = req.output_logprobs if req.params.logprobs is not None else None
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=req.text, token_ids=Prefix(req.output_token_ids, len(req.output_token_ids)),
-            finish_reason=req.finish_reason,
-            logprobs=None if logprobs is None else Prefix(logprobs, len(logprobs)),
-            finished=req.finish_reason is not None, stop_reason=req.stop_reason,
-            metrics={"time_to_first_token": m.time_to_first_token,
-                     "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
-                     "num_preemptions": req.num_preemptions,
-                     "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
-            new_token_ids=new_ids, new_text=new_text,
-        )
 
 
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:

@@ -1,13 +1,20 @@
-"""The user-facing API: LLM(...).generate / generate_stream / chat."""
+"""The user-facing API: LLM(...).generate / generate_stream / chat.
+
+Every call runs through one EngineLoop (hybrid_engine/engine_loop.py), so threads may share
+an LLM: their requests are batched together by the one engine, and each call receives only
+its own requests' outputs.
+"""
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .engine_loop import EngineLoop
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -19,30 +26,42 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
                  enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True):
-        self.engine = LLMEngine(EngineConfig(
+        self.loop = EngineLoop(LLMEngine(EngineConfig(
             model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cache_memory_bytes=cache_memory_bytes,
             speculative_config=speculative_config, max_model_len=max_model_len, device=device, seed=seed,
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
-            enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy))
+            enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy)))
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.loop.engine
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Aborts whatever is still running and stops the engine loop's thread."""
+        self.loop.shutdown()
+
+    def __del__(self) -> None:
+        loop = self.__dict__.get("loop")   # absent when __init__ failed
+        if loop is not None:
+            loop.shutdown()
+
     def _normalise(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """Checks every prompt and parameter before anything runs; ValueError names the index."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a str, a list of token ids, or a non-empty list of those")
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            raise ValueError("sampling_params must be a SamplingParams, a list of them, or None; "
+                             f"got {type(sampling_params).__name__}")
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
@@ -54,40 +73,110 @@ class LLM:
         return checked
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yields a RequestOutput each time a request advances (new_token_ids / new_text are the delta)."""
-        checked = self._normalise(prompts, sampling_params)
-        ids = [self.engine.add_request(p, sp) for p, sp in checked]
+        """Yields a RequestOutput each time one of these requests advances (new_token_ids /
+        new_text are the delta), only these requests'. Prompts are checked at once; they run
+        from the first next(). Closing the generator, or dropping it, aborts what is left."""
+        return self._stream(self._normalise(prompts, sampling_params))
+
+    def _stream(self, checked) -> Iterator[RequestOutput]:
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        unfinished: set[str] = set()
         try:
-            while self.engine.has_unfinished_requests():
-                yield from self.engine.step()
+            for prompt, params in checked:
+                unfinished.add(self.loop.submit(prompt, params, on_output=inbox.put).request_id)
+            while unfinished:
+                out = _received(inbox.get())
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield out
         finally:  # a consumer that stops early must not leave requests holding memory
-            for rid in ids:
-                self.engine.abort_request(rid)
+            for request_id in unfinished:
+                self.loop.abort(request_id)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """The finished outputs of these prompts, in input order (other callers' requests run
+        alongside in the same batches, and this call waits for none of them)."""
         checked = self._normalise(prompts, sampling_params)
-        ids = [self.engine.add_request(p, sp) for p, sp in checked]
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+        def keep_final(out) -> None:
+            if isinstance(out, BaseException) or out.finished:
+                inbox.put(out)
+
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        bar = tqdm(total=len(checked), desc="generate", disable=not use_tqdm)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
+            for prompt, params in checked:
+                ids.append(self.loop.submit(prompt, params, on_output=keep_final).request_id)
+            while len(final) < len(ids):
+                out = _received(inbox.get())
+                final[out.request_id] = out
+                bar.update(1)
         finally:
             bar.close()
-            for rid in ids:
-                if rid not in final:
-                    self.engine.abort_request(rid)
-        return [final[rid] for rid in ids]
+            for request_id in ids:
+                if request_id not in final:
+                    self.loop.abort(request_id)
+        return [final[request_id] for request_id in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
-        """Applies the tokenizer's chat template (with the generation prompt), then generates."""
+        """Applies the tokenizer's chat template (with the generation prompt), then generates.
+        messages: one conversation (a list of {"role": str, "content": str}) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; the model folder has none")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                   for c in conversations]
+        prompts = [self._render_chat(i, c) for i, c in enumerate(_as_conversations(messages))]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _render_chat(self, index: int, conversation: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as e:   # jinja and tokenizer errors come in many types
+            raise ValueError(f"conversation {index}: the chat template cannot render it: {e}") from None
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a str, or a list of token ids) or a list of prompts -> a list of prompts.
+    A list holding anything but str and lists is one token-id prompt, so that a bad id
+    ([1, 2.0]) is reported as a bad id, not as a bad prompt."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a str, a list of token ids, or a non-empty list of those; "
+                         f"got {_describe(prompts)}")
+    if all(isinstance(p, (str, list, tuple)) for p in prompts):
+        return list(prompts)
+    if any(isinstance(p, (str, list, tuple)) for p in prompts):
+        raise ValueError("prompts mixes token ids with str / list prompts: pass one list of token ids, "
+                         "or a list of prompts")
+    return [prompts]
+
+
+def _as_conversations(messages) -> list[list[dict]]:
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        conversations = [list(messages)]
+    elif (isinstance(messages, (list, tuple)) and messages
+          and all(isinstance(c, (list, tuple)) and c for c in messages)):
+        conversations = [list(c) for c in messages]
+    else:
+        raise ValueError('messages must be a conversation (a non-empty list of {"role": ..., "content": ...} '
+                         f"dicts) or a non-empty list of conversations; got {_describe(messages)}")
+    for i, conversation in enumerate(conversations):
+        for j, m in enumerate(conversation):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"conversation {i}, message {j}: expected a dict with str 'role' and "
+                                 f"'content', got {_describe(m)}")
+    return conversations
+
+
+def _received(item) -> RequestOutput:
+    if isinstance(item, BaseException):
+        raise RuntimeError(f"an engine step failed: {item!r}") from item
+    return item
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+

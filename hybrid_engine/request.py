@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling_params import SamplingParams
+from .tokenizer import IncrementalDetokenizer
 from hybrid_engine.spec_decode.stats import SpecStats
 
 
@@ -54,9 +55,11 @@ class Request:
     stop_reason: str | int | None = None
     text: str = ""
     streamed_len: int = 0      # characters of text already handed out as streaming deltas
+    detokenizer: IncrementalDetokenizer | None = None    # None: the model folder has no tokenizer
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    # Speculative decoding: drafts to verify next step, and per-request counters.
+    # Speculative decoding: drafts to verify next step (set only by hybrid_engine/step_update.py
+    # from the drafter's output), and per-request counters.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_stats: "SpecStats | None" = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

@@ -7,7 +7,12 @@ Every step re-chooses the batch under `max_num_seqs` and `max_num_batched_tokens
    re-prefilled later with its generated tokens kept) until it can;
 2. then waiting requests are admitted first come, first served while the cache manager says
    both their KV blocks and their GDN state slot(s) fit; admission stops at the first that
-   does not fit, so a large old request is never overtaken.
+   does not fit, so a large old request is never overtaken, and at a request preempted in
+   this same call (readmitting it at once would free and retake its memory for nothing).
+
+A running request's KV reservation only grows: blocks past its committed length (rejected
+drafts, the drafter's lookahead) stay with it for the next step (state_cache/hybrid_cache.py).
+The outcome of a step (tokens, stops, commits, frees) is applied by hybrid_engine/step_update.py.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req in batch.preempted:
+                break
             n = min(req.num_uncomputed_tokens, budget)
             total = self._tokens_to_hold(req, n)
             if not self.cache.can_admit(total, self.num_draft_slots):

@@ -48,7 +48,9 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def run(self, catchups: list[CatchUp]) -> dict[str, list[int]]:
-        """Advances the MTP KV; returns k drafts for each catch-up with draft=True."""
+        """Advances the MTP KV; returns request id -> k drafts for each catch-up with draft=True.
+        The drafts go into the step's output (hybrid_engine/step_update.py), which hands them
+        to the request for its next verify; the drafter itself changes no request."""
         if not catchups:
             return {}
         segs = [(c.request_id, c.start, len(c.next_tokens)) for c in catchups]

@@ -10,6 +10,12 @@ Two pools, sized once at start-up:
 A request is admitted only if both kinds fit. Every verb checks before it changes anything:
 a refused call (CacheCapacityError, ValueError, KeyError) leaves the manager as it was.
 
+Each outcome of a step has one verb: `commit` (a prefill chunk or a plain decode was
+written), `commit_verify` (a verify step: the KV length and the committed GDN slot move
+together, so no half-done rewind can exist), `free` (finished or preempted). A request's
+blocks past its committed length stay with it while it runs: the next step's drafts and
+verify reuse them instead of giving them back and taking them again.
+
 One extra slot, `pad_slot`, belongs to no request: the padding rows of a CUDA-graph decode
 step (hybrid_engine/decode_graphs.py) read it and write nowhere, so a padded row can never
 race a real row for a state. It is part of the pools and of the byte budget.
@@ -40,6 +46,9 @@ class RequestCache:
     slot: int
     draft_slots: list[int]
     num_tokens: int  # tokens the block table is sized for
+    # Tokens whose KV is valid and whose GDN state `slot` holds (<= num_tokens): what the
+    # step outcomes committed. Positions past it hold drafts or nothing.
+    num_committed_tokens: int = 0
 
 
 class HybridCacheManager:
@@ -178,7 +187,7 @@ class HybridCacheManager:
         cache.num_tokens = new_num_tokens
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
-        """Rewind the KV length (rejected drafts, or a shorter re-prefill); frees the tail blocks."""
+        """Shrink what the request holds to num_tokens tokens; frees the tail blocks."""
         cache = self.get(request_id)
         if not 0 <= num_tokens <= cache.num_tokens:
             raise ValueError(
@@ -188,20 +197,36 @@ class HybridCacheManager:
         self._blocks.free(cache.block_table[keep:])
         del cache.block_table[keep:]
         cache.num_tokens = num_tokens
+        cache.num_committed_tokens = min(cache.num_committed_tokens, num_tokens)
 
-    # -- GDN state -----------------------------------------------------------------------
+    # -- step outcomes -------------------------------------------------------------------
 
-    def promote_draft_slot(self, request_id: Hashable, draft_index: int) -> None:
-        """After verification: the draft slot holding the state after the last accepted
-        position becomes the committed slot, and the old committed slot takes its place
-        among the drafts. A swap of ids; no state is copied."""
+    def commit(self, request_id: Hashable, num_tokens: int) -> None:
+        """A prefill chunk or a plain decode wrote KV and state up to num_tokens tokens."""
         cache = self.get(request_id)
-        if not 0 <= draft_index < len(cache.draft_slots):
-            raise IndexError(
-                f"request {request_id!r} has {len(cache.draft_slots)} draft slots; "
-                f"no draft index {draft_index}"
-            )
-        cache.slot, cache.draft_slots[draft_index] = cache.draft_slots[draft_index], cache.slot
+        self._check_commit(request_id, cache, num_tokens)
+        cache.num_committed_tokens = num_tokens
+
+    def commit_verify(self, request_id: Hashable, num_tokens: int, accepted: int) -> None:
+        """After a verify that accepted `accepted` drafts: the committed length becomes
+        num_tokens (C + accepted + 1) and, when a draft was accepted, the draft slot holding
+        the state after the last accepted position becomes the committed slot and the old
+        committed slot takes its place among the drafts (a swap of ids; no state is copied).
+        The blocks past num_tokens stay with the request: the next verify writes there again."""
+        cache = self.get(request_id)
+        self._check_commit(request_id, cache, num_tokens)
+        if not 0 <= accepted <= len(cache.draft_slots):
+            raise IndexError(f"request {request_id!r} has {len(cache.draft_slots)} draft slots; "
+                             f"cannot accept {accepted} drafts")
+        if accepted:
+            i = accepted - 1
+            cache.slot, cache.draft_slots[i] = cache.draft_slots[i], cache.slot
+        cache.num_committed_tokens = num_tokens
+
+    def _check_commit(self, request_id: Hashable, cache: RequestCache, num_tokens: int) -> None:
+        if not cache.num_committed_tokens <= num_tokens <= cache.num_tokens:
+            raise ValueError(f"request {request_id!r} has {cache.num_committed_tokens} committed tokens and "
+                             f"room for {cache.num_tokens}; cannot commit {num_tokens}")
 
     # -- release -------------------------------------------------------------------------
 

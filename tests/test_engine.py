@@ -8,6 +8,7 @@ import torch
 from hybrid_engine import LLM, LLMEngine, EngineConfig, SamplingParams
 
 from checkpoints import make_hf_model, save_checkpoint
+from engine_checks import assert_no_leak
 
 
 @pytest.fixture(scope="module")
@@ -15,12 +16,6 @@ def dense_ckpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dense")
     save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder, tokenizer=True)
     return folder
-
-
-def assert_no_leak(engine):
-    assert not engine.has_unfinished_requests()
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
-    assert engine.cache.num_free_slots == engine.cache.num_slots
 
 
 def random_prompts(n, lo, hi, vocab=256, seed=0):

@@ -7,7 +7,9 @@ import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
+from engine_checks import assert_no_leak
 from spec_models import make_spec_checkpoint
+from staggered import run_staggered
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -19,26 +21,6 @@ def spec_ckpts(tmp_path_factory):
 
 def spec(k):
     return {"method": "mtp", "num_speculative_tokens": k}
-
-
-def assert_no_leak(engine):
-    assert not engine.has_unfinished_requests()
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
-    assert engine.cache.num_free_slots == engine.cache.num_slots
-
-
-def run_staggered(engine, prompts, params, arrivals):
-    """Adds prompt i at step arrivals[i], so new prefills mix with speculating decodes."""
-    outs, step = {}, 0
-    while len(outs) < len(prompts):
-        for i, t in enumerate(arrivals):
-            if t == step:
-                engine.add_request(prompts[i], params, request_id=str(i))
-        for o in engine.step():
-            if o.finished:
-                outs[int(o.request_id)] = o.token_ids
-        step += 1
-    return [outs[i] for i in range(len(prompts))]
 
 
 def workload(seed=0, n=6):
@@ -54,7 +36,7 @@ def test_lossless_greedy_all_k_with_chunked_prefill_and_preemption(spec_ckpts, f
     prompts, arrivals = workload()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref_engine = LLMEngine(EngineConfig(model=folder, dtype="float32"))
-    reference = run_staggered(ref_engine, prompts, params, arrivals)
+    reference = [o.token_ids for o in run_staggered(ref_engine, prompts, params, arrivals)]
     for k in (1, 2, 3, 5):
         probe = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k), max_num_seqs=6,
                                        max_num_batched_tokens=6 * (1 + k)))
@@ -65,7 +47,7 @@ def test_lossless_greedy_all_k_with_chunked_prefill_and_preemption(spec_ckpts, f
                     dict(max_num_batched_tokens=64, cache_memory_bytes=tight)):
             engine = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k),
                                             max_num_seqs=6, **cfg))
-            assert run_staggered(engine, prompts, params, arrivals) == reference, (k, cfg)
+            assert [o.token_ids for o in run_staggered(engine, prompts, params, arrivals)] == reference, (k, cfg)
             assert_no_leak(engine)
             st = engine.spec_stats
             assert 0.2 <= st.acceptance_rate <= 0.8, (k, st.as_dict())

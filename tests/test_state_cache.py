@@ -37,7 +37,7 @@ def snapshot(manager: HybridCacheManager, request_ids) -> tuple:
     held = {}
     for rid in filter(manager.has, request_ids):
         c = manager.get(rid)
-        held[rid] = (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens)
+        held[rid] = (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens, c.num_committed_tokens)
     return held, manager.num_free_blocks, manager.num_free_slots
 
 
@@ -169,17 +169,23 @@ def test_grow_and_truncate():
     assert table == [] and m.num_free_blocks == 4 and m.num_free_slots == 1  # the slot stays held
 
 
-def test_promote_draft_slot_swaps_ids():
-    m = HybridCacheManager(tiny_spec(), num_blocks=2, num_slots=4)
-    cache = m.allocate("a", 1, num_draft_slots=3)
-    slot, drafts = cache.slot, list(cache.draft_slots)
-    m.promote_draft_slot("a", 1)
+def test_commit_verify_moves_length_and_slot_together():
+    m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=4)
+    cache = m.allocate("a", 9, num_draft_slots=3)
+    slot, drafts, table = cache.slot, list(cache.draft_slots), list(cache.block_table)
+    m.commit("a", 5)
+    assert cache.num_committed_tokens == 5
+    m.commit_verify("a", 7, accepted=2)   # last token + 2 drafts: the state after draft 2
     assert cache.slot == drafts[1] and cache.draft_slots == [drafts[0], slot, drafts[2]]
-    assert m.num_free_slots == 0
-    with pytest.raises(IndexError, match="has 3 draft slots; no draft index 3"):
-        m.promote_draft_slot("a", 3)
-    with pytest.raises(IndexError):
-        m.promote_draft_slot("a", -1)
+    assert cache.num_committed_tokens == 7 and cache.block_table == table    # no block given back
+    m.commit_verify("a", 8, accepted=0)
+    assert cache.slot == drafts[1] and cache.num_committed_tokens == 8
+    # Refused calls change nothing: too many drafts, past the reservation, backwards.
+    for bad in [lambda: m.commit_verify("a", 9, accepted=4), lambda: m.commit_verify("a", 10, accepted=1),
+                lambda: m.commit("a", 7)]:
+        with pytest.raises((IndexError, ValueError)):
+            bad()
+        assert cache.slot == drafts[1] and cache.num_committed_tokens == 8
     m.free("a")
     assert m.num_free_slots == 4
 
@@ -284,17 +290,20 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
-    def promote(self, data):
+    def commit_verify(self, data):
         rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
         cache = self.m.get(rid)
-        index = data.draw(st.integers(0, len(cache.draft_slots)))  # one past the end: refused
-        if index == len(cache.draft_slots):
-            self.refused(IndexError, lambda: self.m.promote_draft_slot(rid, index))
+        accepted = data.draw(st.integers(0, len(cache.draft_slots) + 1))   # one past the end: refused
+        length = data.draw(st.integers(0, self.tokens[rid] + 1))           # past the reservation: refused
+        if accepted > len(cache.draft_slots) or not cache.num_committed_tokens <= length <= self.tokens[rid]:
+            error = ValueError if not cache.num_committed_tokens <= length <= self.tokens[rid] else IndexError
+            self.refused(error, lambda: self.m.commit_verify(rid, length, accepted))
             return
         held = {cache.slot, *cache.draft_slots}
-        new_slot = cache.draft_slots[index]
-        self.m.promote_draft_slot(rid, index)
+        new_slot = cache.draft_slots[accepted - 1] if accepted else cache.slot
+        self.m.commit_verify(rid, length, accepted)
         assert cache.slot == new_slot and {cache.slot, *cache.draft_slots} == held
+        assert cache.num_committed_tokens == length
 
     @rule(rid=st.sampled_from(REQUEST_IDS))
     def free(self, rid):

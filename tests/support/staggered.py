@@ -22,7 +22,10 @@ def staggered_workload(seed: int = 0, logprobs: int | None = None):
 
 
 def run_staggered(engine, prompts, params, arrivals) -> list:
-    """Adds request i at step arrivals[i] and steps until all finish -> the final RequestOutputs in order."""
+    """Adds request i at step arrivals[i] and steps until all finish -> the final RequestOutputs in
+    order. `params`: one SamplingParams per request, or one for all."""
+    if not isinstance(params, (list, tuple)):
+        params = [params] * len(prompts)
     outs, step = {}, 0
     while len(outs) < len(prompts):
         for i, t in enumerate(arrivals):

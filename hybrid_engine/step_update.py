@@ -1,0 +1,150 @@
+"""The update half of a step: what sampling, verification and drafting produced, applied to the
+requests and the cache in one place (nano-vllm's `postprocess`, vLLM's `update_from_output`).
+
+For each segment of the step, in packing order:
+1. commit: the cache's committed length moves to what this step made valid (a prefill chunk, a
+   decode's token, or a verify's last token plus its accepted drafts), and after a verify the
+   committed GDN slot moves with it, in one cache verb;
+2. append the emitted tokens one at a time, applying every stop rule after each: a stop
+   inside a verify's accepted drafts drops the tokens after it;
+3. a finished request leaves the scheduler and its memory is freed; a running one takes the
+   drafts the drafter proposed for its next verify (the only place they are set);
+4. one RequestOutput, with its streaming delta, for each request that emitted tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from hybrid_engine.spec_decode.stats import SpecStats
+from hybrid_engine.state_cache import HybridCacheManager
+
+from .outputs import Prefix, RequestOutput
+from .request import Request
+from .scheduler import Scheduler
+from .step_inputs import Segment
+
+
+@dataclass
+class SegmentResult:
+    """What sampling / verification produced for one segment of the step."""
+
+    segment: Segment
+    # Emitted tokens: none for a prefill chunk short of the prompt's end, one for a prefill's
+    # end or a decode, 1..k+1 for a verify (its accepted drafts plus the target's token).
+    token_ids: list[int]
+    logprobs: list          # one per emitted token; None entries where not asked for
+
+
+@dataclass
+class StepOutput:
+    results: list[SegmentResult]        # one per segment of the step, in packing order
+    drafts: dict[str, list[int]]        # request id -> the drafts its next step verifies
+
+
+class StepUpdater:
+    def __init__(self, scheduler: Scheduler, cache: HybridCacheManager, max_model_len: int,
+                 spec_stats: SpecStats | None):
+        self.scheduler = scheduler
+        self.cache = cache
+        self.max_model_len = max_model_len
+        self.spec_stats = spec_stats     # the engine's totals, next to each request's own
+
+    def update(self, step: StepOutput) -> list[RequestOutput]:
+        outputs = []
+        for result in step.results:
+            req = result.segment.request
+            self._commit(result)
+            new = []
+            for tok, lp in zip(result.token_ids, result.logprobs):
+                new.append(tok)
+                if self._append_token(req, tok, lp):
+                    break
+            if not req.is_finished:
+                req.draft_token_ids = step.drafts.get(req.request_id, [])
+            if result.token_ids:
+                outputs.append(request_output(req, new, take_text_delta(req)))
+        return outputs
+
+    def _commit(self, result: SegmentResult) -> None:
+        """Rewind after a verify: KV length C + accepted + 1; the committed GDN state becomes
+        the one saved after the last accepted position, chosen by slot (no copy, no recompute)."""
+        seg, req = result.segment, result.segment.request
+        if not seg.is_decode:
+            req.num_computed_tokens += seg.num_tokens
+            self.cache.commit(req.request_id, req.num_computed_tokens)
+            return
+        accepted = len(result.token_ids) - 1
+        req.num_computed_tokens = seg.start + accepted + 1
+        if seg.num_tokens == 1:
+            self.cache.commit(req.request_id, req.num_computed_tokens)
+            return
+        self.cache.commit_verify(req.request_id, req.num_computed_tokens, accepted)
+        req.spec_stats.record(seg.num_tokens - 1, accepted)
+        self.spec_stats.record(seg.num_tokens - 1, accepted)
+
+    def _append_token(self, req: Request, tok: int, logprobs) -> bool:
+        """Appends one token and applies every stop rule; True when the request finished."""
+        now = time.monotonic()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(tok)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        p = req.params
+        delta_len = 0
+        detok = req.detokenizer
+        if detok is not None:
+            delta_len = len(detok.update(req.output_token_ids))
+            req.text = detok.text
+        if not p.ignore_eos and tok in req.eos_token_ids:
+            req.finish_reason = "stop"
+        elif p.stop_token_ids and tok in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", tok
+        elif p.stop and detok is not None:
+            _cut_at_stop_string(req, delta_len)
+        if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
+                                          or req.num_tokens >= self.max_model_len):
+            req.finish_reason = "length"
+        if req.finish_reason is None:
+            return False
+        req.metrics.finished_time = now
+        self.scheduler.finish(req)
+        return True
+
+
+def _cut_at_stop_string(req: Request, delta_len: int) -> bool:
+    longest = max(len(s) for s in req.params.stop)
+    search_from = max(0, len(req.text) - delta_len - longest + 1)
+    hits = [(i, s) for s in req.params.stop if (i := req.text.find(s, search_from)) >= 0]
+    if not hits:
+        return False
+    i, s = min(hits)
+    req.text = req.text[:i]
+    req.finish_reason, req.stop_reason = "stop", s
+    return True
+
+
+def take_text_delta(req: Request) -> str:
+    """Text not yet streamed (a stop string cut never un-streams text already sent)."""
+    delta = req.text[req.streamed_len:]
+    req.streamed_len = max(req.streamed_len, len(req.text))
+    return delta
+
+
+def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    m = req.metrics
+    logprobs = req.output_logprobs if req.params.logprobs is not None else None
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        text=req.text, token_ids=Prefix(req.output_token_ids, len(req.output_token_ids)),
+        finish_reason=req.finish_reason,
+        logprobs=None if logprobs is None else Prefix(logprobs, len(logprobs)),
+        finished=req.finish_reason is not None, stop_reason=req.stop_reason,
+        metrics={"time_to_first_token": m.time_to_first_token,
+                 "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
+                 "num_preemptions": req.num_preemptions,
+                 "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
+        new_token_ids=new_ids, new_text=new_text,
+    )
