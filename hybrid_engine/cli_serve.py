@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from .cli import CLIError, add_engine_arguments, build_llm, require_mtp
+from .cli import CLIError, add_engine_arguments, build_llm
 
 NAME = "serve"
 HELP = "serve the model over an OpenAI-compatible HTTP API"
@@ -57,9 +57,7 @@ def run(args) -> int:
 
     def load() -> None:
         try:
-            llm = build_llm(args, args.speculative_tokens)
-            if args.speculative_tokens:
-                require_mtp(llm, "--speculative-tokens")
+            llm = build_llm(args, args.speculative_tokens)   # ValueError if K > 0 and no MTP head
             loaded["llm"] = llm
             attach_engine(app, llm.loop)
             print(f"hybrid-engine: serving {name!r} on http://{host}:{port}/v1", file=sys.stderr)
