@@ -23,6 +23,7 @@ SCRIPTS = {
     "call in another shape": ('<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>', dict()),
     "call cut off": ('<tool_call>\n{"name": "f", "arguments": {"x": [1, 2', dict()),
     "call cut before its header": ('<tool_call>\n{"name": "f"', dict()),
+    "bad escape in the name": ('<tool_call>{"name": "a\\qb", "arguments": {}}</tool_call>', dict()),
 }
 
 

@@ -42,7 +42,7 @@ class ToolCallBody:
             m = _HEADER.match(self.body)
             if m is None:
                 return None
-            self.name = json.loads(f'"{m.group(1)}"')
+            self.name = _json_string(m.group(1))
             self._scanned = m.end()
             return ToolCallDelta(self.name, self._advance())
         args = self._advance()
@@ -80,6 +80,13 @@ class ToolCallBody:
                 return self.body[start:i]
         self._scanned = len(self.body)
         return self.body[start:]
+
+
+def _json_string(escaped: str) -> str:
+    try:
+        return json.loads(f'"{escaped}"')
+    except ValueError:   # an invalid escape: the name as the model wrote it
+        return escaped
 
 
 class _ValueScanner:
