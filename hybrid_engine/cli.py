@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from . import cli_bench, cli_generate, cli_inspect
+    from . import cli_bench, cli_generate, cli_inspect, cli_serve
 
     # `inspect diff A B` has its own positionals; `inspect [PROMPT ...]` takes prompts.
     if argv[:2] == ["inspect", "diff"]:
@@ -63,7 +63,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                      epilog="`hybrid-engine inspect diff A B` compares two snapshots. "
                             "`hybrid-engine COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (cli_generate, cli_bench, cli_inspect):
+    for module in (cli_generate, cli_bench, cli_inspect, cli_serve):
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -115,7 +115,8 @@ def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
     seqs = args.max_num_seqs
     return LLM(model=args.model, dtype=dtype or args.dtype, device=args.device, block_size=args.block_size,
                max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * (1 + num_speculative_tokens)),
-               speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False))
+               speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False),
+               cache_memory_bytes=getattr(args, "cache_memory_bytes", None))
 
 
 def require_mtp(llm, what: str) -> None:

@@ -1,0 +1,127 @@
+"""POST /v1/completions: prompts (text, token ids, or a list of either) x n choices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from .engine_client import Choice, EngineClient
+from .errors import APIError
+from .logprobs import completion_logprobs
+from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, new_id, now
+from .sampling import check_fits, choice_params
+from .sse import DONE, event
+from .text_stream import StreamedText
+
+
+def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice], list[list[int]]]:
+    """-> the engine requests (prompt-major: choice index = prompt index * n + i) and each
+    prompt's token ids. Bad prompts and parameters raise APIError / ValueError (400)."""
+    for name in ("best_of", "suffix"):
+        value = getattr(req, name)
+        if value is not None and not (name == "best_of" and value == req.n):
+            raise APIError(400, f"{name} is not supported", name)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    prompts = req.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    engine = client.engine
+    choices, prompt_ids = [], []
+    for i, prompt in enumerate(prompts):
+        try:
+            _, ids = engine.encode_prompt(prompt)
+        except ValueError as e:
+            raise APIError(400, f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
+        max_tokens = check_fits(len(ids), 16 if req.max_tokens is None else req.max_tokens, engine.max_model_len)
+        prompt_ids.append(ids)
+        for j, params in enumerate(choice_params(req, max_tokens, req.logprobs)):
+            choices.append(Choice(ids, params, counts_prompt=j == 0))
+    return choices, prompt_ids
+
+
+def _echo_text(client: EngineClient, ids: list[int]) -> str:
+    tok = client.engine.tokenizer
+    return tok.decode(ids) if tok is not None else ""
+
+
+def _text(client: EngineClient, out) -> str:
+    if client.engine.tokenizer is None:   # no tokenizer: the ids, each followed by a space
+        return "".join(f"{t} " for t in out.token_ids)
+    return out.text
+
+
+async def complete(req: CompletionRequest, client: EngineClient, model: str) -> CompletionResponse:
+    choices, prompt_ids = prepare(req, client)
+    rid = new_id("cmpl")
+    gen = client.generate(choices, rid)
+    final = [None] * len(choices)
+    try:
+        async for index, out in gen:
+            if out.finished:
+                final[index] = out
+    finally:
+        gen.close()
+    tok = client.engine.tokenizer
+    result = []
+    for index, out in enumerate(final):
+        echo = _echo_text(client, prompt_ids[index // req.n]) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None and tok is not None:
+            logprobs = completion_logprobs(tok, out.token_ids, out.logprobs or [], req.logprobs)
+        result.append(CompletionChoice(index=index, text=echo + _text(client, out), logprobs=logprobs,
+                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+    return CompletionResponse(id=rid, created=now(), model=model, choices=result,
+                              usage=_usage(prompt_ids, final))
+
+
+def _usage(prompt_ids: list[list[int]], outputs) -> UsageInfo:
+    p = sum(len(ids) for ids in prompt_ids)
+    c = sum(len(o.token_ids) for o in outputs if o is not None)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+async def stream(req: CompletionRequest, client: EngineClient, model: str) -> AsyncIterator[str]:
+    """The SSE body. Choices are prepared and submitted before the first byte, so a bad request
+    is still a 400; the generator's finally aborts everything when the client goes away."""
+    choices, prompt_ids = prepare(req, client)
+    rid = new_id("cmpl")
+    gen = client.generate(choices, rid)
+    return _events(req, client, model, rid, gen, choices, prompt_ids)
+
+
+async def _events(req, client, model, rid, gen, choices, prompt_ids) -> AsyncIterator[str]:
+    created, tok = now(), client.engine.tokenizer
+    texts = [StreamedText(c.params.stop) for c in choices]
+    num_tokens = [0] * len(choices)
+    finals = [None] * len(choices)
+
+    def chunk(index: int, text: str, logprobs=None, finish=None, stop_reason=None) -> str:
+        return event(CompletionResponse(id=rid, created=created, model=model, choices=[
+            CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                             stop_reason=stop_reason)]))
+    try:
+        if req.echo:
+            for index in range(len(choices)):
+                yield chunk(index, _echo_text(client, prompt_ids[index // req.n]))
+        async for index, out in gen:
+            if tok is None:
+                text = "".join(f"{t} " for t in out.new_token_ids)
+            else:
+                text = texts[index].delta(out.text, out.finished)
+            logprobs = None
+            if req.logprobs is not None and tok is not None and out.new_token_ids:
+                new = out.token_ids[num_tokens[index]:]
+                logprobs = completion_logprobs(tok, new, out.logprobs[num_tokens[index]:], req.logprobs)
+            num_tokens[index] = len(out.token_ids)
+            if out.finished:
+                finals[index] = out
+            if text or logprobs or out.finished:
+                yield chunk(index, text, logprobs, out.finish_reason, out.stop_reason)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                           usage=_usage(prompt_ids, finals)))
+        yield DONE
+    finally:
+        gen.close()

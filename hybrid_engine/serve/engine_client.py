@@ -1,0 +1,113 @@
+"""The HTTP handlers' side of the EngineLoop: submit a request's choices, await their outputs.
+
+Each choice is one engine request. The loop thread hands its outputs to this asyncio loop
+through call_soon_threadsafe, so a handler awaits a queue and never blocks the event loop.
+Closing a Generation (a finished response, an error, a client that went away) aborts every
+choice still running, which frees its memory at the loop's next turn.
+
+Latency metrics are observed here, as the outputs reach the server: time to first token and
+end-to-end from submission, inter-token time per token between two deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from hybrid_engine.sampling_params import SamplingParams
+
+from .errors import APIError
+from .metrics import ServerMetrics
+
+
+@dataclass
+class Choice:
+    prompt: list[int]
+    params: SamplingParams
+    counts_prompt: bool      # the first choice of its prompt: its tokens go into the prompt total
+
+
+class EngineClient:
+    def __init__(self, engine_loop, metrics: ServerMetrics, max_pending_requests: int):
+        self.engine_loop = engine_loop
+        self.engine = engine_loop.engine
+        self.metrics = metrics
+        self.max_pending_requests = max_pending_requests
+        self.num_pending = 0     # engine requests this server has open (event-loop thread only)
+
+    def generate(self, choices: list[Choice], request_id: str) -> Generation:
+        """Submits every choice, or none: a ValueError from the engine's validation (naming the
+        field) closes the ones already submitted and propagates."""
+        if self.num_pending + len(choices) > self.max_pending_requests:
+            raise APIError(503, f"the server is overloaded: {self.num_pending} requests are in flight "
+                                f"(at most {self.max_pending_requests}); retry later")
+        return Generation(self, choices, request_id)
+
+
+class Generation:
+    """Async iterator over (choice index, RequestOutput) until every choice has finished."""
+
+    def __init__(self, client: EngineClient, choices: list[Choice], request_id: str):
+        self.client, self.choices = client, choices
+        self.queue: asyncio.Queue = asyncio.Queue()
+        aio = asyncio.get_running_loop()
+        self.streams, self.closed = [], False
+        self.start = time.monotonic()
+        self.last_time = [None] * len(choices)
+        self.num_finished = 0
+        try:
+            for i, c in enumerate(choices):
+                deliver = _deliverer(aio, self.queue, i)
+                self.streams.append(client.engine_loop.submit(c.prompt, c.params, f"{request_id}-{i}", deliver))
+                client.num_pending += 1
+        except BaseException:
+            self.close()
+            raise
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.num_finished == len(self.choices):
+            raise StopAsyncIteration
+        index, out = await self.queue.get()
+        if isinstance(out, BaseException):
+            raise out
+        if getattr(out, "error", None):
+            raise RuntimeError(out.error)
+        self._observe(index, out)
+        if out.finished:
+            self.num_finished += 1
+        return index, out
+
+    def _observe(self, index: int, out) -> None:
+        now, m = time.monotonic(), self.client.metrics
+        if out.new_token_ids:
+            last = self.last_time[index]
+            if last is None:
+                m.observe_first_token(now - self.start)
+            else:
+                m.observe_inter_token(now - last, len(out.new_token_ids))
+            self.last_time[index] = now
+        if out.finished:
+            m.observe_finished(out, now - self.start, self.choices[index].counts_prompt)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams:
+            stream.close()      # aborts the request unless it has finished
+        self.client.num_pending -= len(self.streams)
+
+
+def _deliverer(aio: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+    """on_output for the loop thread: must not block, and must not fail once the HTTP side
+    has gone (its event loop closed at shutdown)."""
+    def deliver(output) -> None:
+        try:
+            aio.call_soon_threadsafe(queue.put_nowait, (index, output))
+        except RuntimeError:
+            pass
+    return deliver

@@ -1,0 +1,34 @@
+"""The text of one choice as it may be streamed: never a piece of a stop string.
+
+A RequestOutput's `text` is the whole text so far; the engine cuts it where a stop string
+begins once the string is complete. Until then the end of the text may be the start of a
+stop string, so that end is held back: what has gone out is then always a prefix of the
+final text, and a stop string is never half-streamed, whether or not the engine holds such
+text back itself.
+"""
+
+from __future__ import annotations
+
+
+class StreamedText:
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.sent = 0          # characters already handed out
+
+    def delta(self, text: str, finished: bool) -> str:
+        """The characters of `text` (the whole text so far) that can go out now."""
+        end = len(text) if finished else len(text) - _stop_prefix_suffix(text, self.stop)
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+
+def _stop_prefix_suffix(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of a stop string."""
+    longest = max((len(s) for s in stop), default=1) - 1
+    for n in range(min(longest, len(text)), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stop):
+            return n
+    return 0
