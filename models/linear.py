@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, can_block
+from hybrid_engine.kernels.cpu.isa import onednn_packs
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
@@ -101,8 +102,7 @@ def can_pack(weight: torch.Tensor, onednn: bool = True) -> bool:
 
 
 def can_pack_onednn(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and torch.backends.mkldnn.is_available())
+    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and onednn_packs(weight.dtype)
 
 
 def can_block_float32(weight: torch.Tensor) -> bool:

@@ -31,12 +31,12 @@ def test_packed_bf16_linear_matches_f_linear(rows):
 # ---- the native blocked kernel (kernels/cpu/blocked_linear.cpp) -------------------------------
 
 from hybrid_engine.kernels.cpu import blocked as blocked_mod  # noqa: E402
-from hybrid_engine.kernels.cpu.build import cpu_has  # noqa: E402
+from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs  # noqa: E402
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available  # noqa: E402
 from hybrid_engine.models import linear as linear_mod  # noqa: E402
 from hybrid_engine.models.linear import can_pack, pack_weights  # noqa: E402
 
-needs_native = pytest.mark.skipif(not cpu_has("avx512f"), reason="the kernel needs AVX-512F")
+needs_native = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 
 
 @needs_native
@@ -60,10 +60,7 @@ def test_blocked_float32_matches_f_linear(rows, n):
     torch.testing.assert_close(blocked_linear_reference(x, wb), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-needs_bf16 = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="the bf16 kernel needs AVX512-BF16")
-
-
-@needs_bf16
+@needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 @pytest.mark.parametrize("k", [128, 37])                 # odd K: the last pair padded
 def test_blocked_bfloat16_matches_f_linear(rows, k):
@@ -127,6 +124,10 @@ def test_only_weights_of_a_megabyte_or_more_are_blocked():
     assert can_pack(torch.randn(256, 1024)) and not can_pack(torch.randn(240, 1024))
 
 
+needs_onednn_bf16 = pytest.mark.skipif(not (at_least("avx2") and onednn_packs(torch.bfloat16)),
+                                       reason="no oneDNN bf16 packing at this level")
+
+
 @needs_native
 @pytest.mark.parametrize("tied", [True, False])
 def test_blocked_lm_head_replaces_the_plain_weight_and_embeds_the_same(monkeypatch, tied):
@@ -146,7 +147,7 @@ def test_blocked_lm_head_replaces_the_plain_weight_and_embeds_the_same(monkeypat
     torch.testing.assert_close(model.compute_logits(hidden), want_logits, rtol=1e-5, atol=1e-5)
 
 
-@needs_bf16
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 4, 5, 16])
 def test_packed_bf16_weight_takes_its_blocked_twin_for_few_rows(monkeypatch, rows):
     from torch import nn
@@ -163,7 +164,7 @@ def test_packed_bf16_weight_takes_its_blocked_twin_for_few_rows(monkeypatch, row
     assert calls == ([1] if rows <= linear_mod.FEW_ROWS else [])
 
 
-@needs_bf16
+@needs_onednn_bf16
 def test_engine_keeps_the_bf16_few_rows_copy_only_when_asked():
     from hybrid_engine import LLM, SamplingParams
     from hybrid_engine.config import EngineConfig
@@ -177,7 +178,7 @@ def test_engine_keeps_the_bf16_few_rows_copy_only_when_asked():
         EngineConfig(bf16_few_rows_copy="yes").validate()
 
 
-@needs_bf16
+@needs_onednn_bf16
 @pytest.mark.parametrize("few_rows_graph", [True, False])
 def test_plain_bf16_weight_keeps_a_twin_for_compiled_few_rows_graphs(monkeypatch, few_rows_graph):
     """Compiled steps leave bf16 weights plain (inductor packs its own) with their blocked copy;
@@ -203,7 +204,7 @@ def test_plain_bf16_weight_keeps_a_twin_for_compiled_few_rows_graphs(monkeypatch
     torch.testing.assert_close(y.float(), F.linear(x.float(), m.a.weight.float()), rtol=2e-2, atol=2e-2)
 
 
-@needs_bf16
+@needs_onednn_bf16
 def test_compiled_steps_set_the_few_rows_flag_by_the_step_row_count():
     from hybrid_engine.compiled_steps import _tracing_config
     seen = []
