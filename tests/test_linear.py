@@ -257,3 +257,50 @@ def test_compiled_graphs_take_the_few_rows_copy_by_the_inputs_shape(block_every_
             torch.testing.assert_close(f(x).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
             assert (blocked_op in graphs[graph]) == (graph == 0)
     assert len(graphs) == 2
+
+
+# ---- the engine at this level ------------------------------------------------------------------
+
+def _generate(folder, dtype, prompts, new):
+    from hybrid_engine import LLM, SamplingParams
+    llm = LLM(model=str(folder), dtype=dtype, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_every_projection_prepared_matches_its_reference(tmp_path, block_every_size, monkeypatch, dtype):
+    """Every blockable projection in its level's layout (none stays plain for being small).
+    float32: greedy tokens and logprobs as transformers' float32 gives them. bfloat16 (whose
+    rounding alone moves logprobs by tenths against float32): the same tokens and logprobs within
+    bf16's error as the engine's own plain path, every projection on F.linear."""
+    from checkpoints import make_hf_model, save_checkpoint
+
+    import hybrid_engine.models.linear as model_linear
+    import hybrid_engine.models.qwen3_5 as model_qwen
+    hf = make_hf_model("qwen3_5", full_attention_interval=2)
+    save_checkpoint(hf, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    new = 24
+    llm, outs = _generate(tmp_path, dtype, prompts, new)
+    want = expected_layout(getattr(torch, dtype), True, True)
+    layouts = {type(m.gate_up_weight) for m in llm.engine.model.modules() if hasattr(m, "gate_up_weight")}
+    assert layouts == ({torch.Tensor} if want is PlainProjection else {want})   # a merged buffer
+    if dtype == "bfloat16":
+        plain = lambda weight, *args: PlainProjection(weight)          # noqa: E731
+        monkeypatch.setattr(model_linear, "choose_projection", plain)
+        monkeypatch.setattr(model_qwen, "choose_projection", plain)
+        _, refs = _generate(tmp_path, dtype, prompts, new)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+        if dtype == "float32":
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+            assert out.token_ids == ref.argmax(-1).tolist()
+            ref_logp = torch.log_softmax(ref, dim=-1)[torch.arange(new), torch.tensor(out.token_ids)]
+            assert (ours - ref_logp).abs().max() < 1e-4
+        else:
+            assert out.token_ids == refs[i].token_ids
+            theirs = torch.tensor([lp[t] for lp, t in zip(refs[i].logprobs, refs[i].token_ids)])
+            assert (ours - theirs).abs().max() < 0.05
