@@ -51,8 +51,9 @@ def load_library(source: Path, level: str | None = None) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(_build(source, level)))
     except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip()[-500:]
         warnings.warn(f"hybrid-engine: the native kernel {source.name} could not be built for {level} "
-                      f"({e}); using the torch path", stacklevel=2)
+                      f"({e}{': ' + detail if detail else ''}); using the torch path", stacklevel=2)
         return None
 
 
