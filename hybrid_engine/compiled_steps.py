@@ -29,10 +29,9 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
-import hybrid_engine.models.linear as linear_module
+from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
-from hybrid_engine.models.linear import can_pack_onednn
 
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
@@ -42,13 +41,14 @@ warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functoo
 class CompiledSteps:
     def __init__(self, model: HybridForCausalLM):
         self.model = model
-        # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: models/linear.py),
+        # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: kernels/cpu/projection.py),
         # inductor's freezing packs them (weights become constants of the graph, packed once;
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
         # would pack for a slower GEMV and double the weights, so it is off there.
         # (Set around each call, as the compile happens inside one: torch.compile's `options`
         # did not turn freezing on here.)
-        self.freeze = can_pack_onednn(model.lm_head_weight())
+        head = model.lm_head_weight()
+        self.freeze = head.device.type == "cpu" and onednn_packs(head.dtype)
         # The model's modules and weights do not change once the engine runs, so the guards
         # on them (one per parameter, checked on every call) are dropped: they cost about
         # 0.2 ms a call here, a tenth of a default-model decode step.
@@ -68,7 +68,7 @@ class CompiledSteps:
         """A decode or verify step -> (final-normed hidden [T, H], float32 logits of the
         batch's logits_indices rows), as ModelRunner.forward returns them."""
         _mark_dynamic(input_ids, batch)
-        with _tracing_config(self.freeze, input_ids.shape[0]):
+        with _tracing_config(self.freeze):
             return self._decode(input_ids, batch, caches)
 
     def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
@@ -79,7 +79,7 @@ class CompiledSteps:
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
         if rows is not None:
             torch._dynamo.maybe_mark_dynamic(rows, 0)
-        with _tracing_config(self.freeze, tokens.shape[0]):
+        with _tracing_config(self.freeze):
             return self._mtp(tokens, hidden, batch, caches, rows)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
@@ -115,18 +115,14 @@ def _mark_dynamic(tokens: torch.Tensor, batch: ForwardBatch) -> None:
 
 
 @contextlib.contextmanager
-def _tracing_config(freeze: bool, rows: int):
+def _tracing_config(freeze: bool):
     """What a compile inside the call must see: no 0/1 specialisation of dynamic sizes
-    (size-oblivious tracing), for packed dtypes inductor's freezing, and whether the step's
-    products have few enough rows for the weights' blocked bf16 copies (models/linear.py
-    `few_rows_graph`: a guarded constant, so each answer gets a graph of its own). Set and reset
-    by hand: a config patch context costs about 0.1 ms a call."""
+    (size-oblivious tracing), and for packed dtypes inductor's freezing. Set and reset by hand:
+    a config patch context costs about 0.1 ms a call."""
     previous = fx_config.backed_size_oblivious, inductor_config.freezing
     fx_config.backed_size_oblivious = True
     inductor_config.freezing = freeze
-    linear_module.few_rows_graph = rows <= linear_module.FEW_ROWS
     try:
         yield
     finally:
         fx_config.backed_size_oblivious, inductor_config.freezing = previous
-        linear_module.few_rows_graph = False
