@@ -138,7 +138,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if layout is None:
         layout = layout_of(cu_seqlens_q, block_tables, seq_lens, kv_cache.shape[2])
     if layout.keys is not None:
-        return attend_paged(q.view(N, T // N, nh, hd), kv_cache, layout.keys, scale).view(T, nh, hd)
+        # The query length as the mask has it (not T // N): under torch.compile the mask's size
+        # is a symbol of its own, which sdpa must see the queries share.
+        Q = layout.keys.visible.shape[2]
+        return attend_paged(q.view(N, Q, nh, hd), kv_cache, layout.keys, scale).view(T, nh, hd)
     out = q.new_empty(q.shape)
     for group in layout.groups:
         out[group.tokens] = attend_paged(q[group.tokens], kv_cache, group.keys, scale)
