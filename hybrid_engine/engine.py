@@ -108,10 +108,10 @@ class LLMEngine:
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device)
-        graphs = self._decode_graphs(max_blocks_per_seq)
+        graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
-        self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size, compiled) if k else None
+        self.drafter = MTPDrafter(self.model, self.cache, k, self.builder, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
         self.sampler = Sampler()
@@ -126,7 +126,7 @@ class LLMEngine:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
 
-    def _decode_graphs(self, max_blocks_per_seq: int) -> DecodeGraphs | None:
+    def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:
         graphs need CUDA tensors, the triton backend (the torch ops read lengths back to the
         host) and a dense model (MoE routing reads expert counts back)."""
@@ -137,8 +137,8 @@ class LLMEngine:
             return None
         buckets = cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs)
         k = self.num_speculative_tokens
-        return DecodeGraphs(self.model, self.cache, [1, 1 + k] if k else [1], buckets,
-                            max_blocks_per_seq, cfg.device, capture=True)
+        return DecodeGraphs(self.model, self.cache, self.builder, [1, 1 + k] if k else [1], buckets,
+                            capture=True)
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
