@@ -40,6 +40,8 @@ import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# examples/qwen35_bpe.py: Qwen3.5's tokenizer format (not part of the runtime package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from bench_cpu import cpu_name, spawn  # noqa: E402
 from random_checkpoint import QWEN35_08B_CONFIG, write_random_checkpoint  # noqa: E402
@@ -185,7 +187,7 @@ def qwen35_tokenizer(ranks: dict[bytes, int], special_tokens=QWEN35_SPECIAL_TOKE
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from hybrid_engine.tokenizer import QWEN35_PRETOKENIZE_REGEX
+    from qwen35_bpe import QWEN35_PRETOKENIZE_REGEX
     byte_char = bytes_to_unicode()
 
     def text(b: bytes) -> str:
