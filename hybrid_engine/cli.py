@@ -114,11 +114,6 @@ def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
                speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False))
 
 
-def require_mtp(llm, what: str) -> None:
-    if llm.engine.model.mtp is None:
-        raise CLIError(f"{what} needs a model with an MTP head, but {llm.engine.config.model} has no mtp.* weights")
-
-
 def read_prompts(args, stdin_fallback: bool = True) -> list[str | list[int]]:
     """Prompts from the arguments, else --file, else (when allowed) all of stdin as one prompt."""
     if args.prompts and args.file:

@@ -158,6 +158,7 @@ def test_inspect_verify_rewind_passes(models):
 def test_command_line_errors_are_one_line_and_exit_2(models):
     root = models["root"]
     (root / "not_a_snapshot.safetensors").write_text("hello")
+    (root / "ids.jsonl").write_text('{"prompt": [1, 2, 3]}\n')
     cases = {
         "missing model folder": (["generate", "--model", root / "nope", "hi"], "model folder not found"),
         "bad flag value": (["generate", "--model", models["spec"], "hi", "--top-p", "1.5"], "--top-p"),
@@ -165,6 +166,8 @@ def test_command_line_errors_are_one_line_and_exit_2(models):
         "unreadable snapshot": (["inspect", "diff", root / "not_a_snapshot.safetensors",
                                  root / "not_a_snapshot.safetensors"], "cannot read snapshot"),
         "no MTP head": (["generate", "--model", models["plain"], "1 2", "--speculative-tokens", "2"], "mtp"),
+        "bench without MTP head": (["bench", "--model", models["plain"], "--prompts", root / "ids.jsonl",
+                                    "--max-k", "1"], "mtp"),
         "bad prompt": (["generate", "--model", models["plain"], "hello"], "prompt 0"),
     }
     # Independent processes: run them together.
