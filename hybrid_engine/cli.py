@@ -119,11 +119,6 @@ def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
                cache_memory_bytes=getattr(args, "cache_memory_bytes", None))
 
 
-def require_mtp(llm, what: str) -> None:
-    if llm.engine.model.mtp is None:
-        raise CLIError(f"{what} needs a model with an MTP head, but {llm.engine.config.model} has no mtp.* weights")
-
-
 def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()
                  ) -> tuple[list[str | list[int]], list[dict]]:
     """Prompts from the arguments, else --file, else (when allowed) all of stdin as one prompt;

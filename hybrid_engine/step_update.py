@@ -68,8 +68,10 @@ class StepUpdater:
         return outputs
 
     def _commit(self, result: SegmentResult) -> None:
-        """Rewind after a verify: KV length C + accepted + 1; the committed GDN state becomes
-        the one saved after the last accepted position, chosen by slot (no copy, no recompute)."""
+        """What the step made valid: a prefill chunk, a decode's token, or after a verify the
+        last token plus the accepted drafts (KV length C + accepted + 1), with the committed
+        GDN state now the one saved after the last accepted position, chosen by slot (no
+        copy, no recompute)."""
         seg, req = result.segment, result.segment.request
         if not seg.is_decode:
             req.num_computed_tokens += seg.num_tokens

@@ -191,6 +191,7 @@ def test_command_line_errors_are_one_line_and_exit_2(models):
     shutil.copytree(models["plain"], bad_config)
     cfg = json.loads((bad_config / "config.json").read_text())
     (bad_config / "config.json").write_text(json.dumps(dict(cfg, num_key_value_heads=0)))
+    (root / "ids.jsonl").write_text('{"prompt": [1, 2, 3]}\n')
     cases = {
         "missing model folder": (["generate", "--model", root / "nope", "hi"], "model folder not found"),
         "bad flag value": (["generate", "--model", models["spec"], "hi", "--top-p", "1.5"], "--top-p"),
@@ -198,6 +199,8 @@ def test_command_line_errors_are_one_line_and_exit_2(models):
         "unreadable snapshot": (["inspect", "diff", root / "not_a_snapshot.safetensors",
                                  root / "not_a_snapshot.safetensors"], "cannot read snapshot"),
         "no MTP head": (["generate", "--model", models["plain"], "1 2", "--speculative-tokens", "2"], "mtp"),
+        "bench without MTP head": (["bench", "--model", models["plain"], "--prompts", root / "ids.jsonl",
+                                    "--max-k", "1"], "mtp"),
         "bad prompt": (["generate", "--model", models["plain"], "hello"], "prompt 0"),
         "snapshot folder missing": (["inspect", "--model", models["plain"], "--step", "1", "--snapshot",
                                      root / "missing" / "x.safetensors"], "does not exist"),

@@ -61,7 +61,8 @@ def hf_logits(hf, ids):
 def test_vlm_wrapper_checkpoint_with_mtp_loads_and_matches(tmp_path):
     hf = make_hf_model("qwen3_5", tie_word_embeddings=True)
     save_checkpoint(hf, tmp_path, vlm_wrapper=True, add_mtp=True, shards=2)
-    llm = LLM(model=str(tmp_path), dtype="float32")
+    # Speculating, so the MTP head is kept (without it the mtp.* tensors are only checked).
+    llm = LLM(model=str(tmp_path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     assert llm.engine.model.mtp is not None
     prompt = prompts_for(hf.config.vocab_size, seed=3)[3]
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0),
