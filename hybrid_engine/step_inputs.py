@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_engine.kernels import backend_for
 from hybrid_engine.kernels.attention import attention_layout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
@@ -61,6 +62,7 @@ class StepInputBuilder:
                  block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.k = num_speculative_tokens
+        self.kernels = backend_for(device)     # fixed for the engine's life, handed to every step
         # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers.
         max_num_tokens = max(max_num_tokens, max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
@@ -192,7 +194,7 @@ class StepInputBuilder:
             state_slots=self.state_slots[:n_seq], has_initial_state=self.has_initial_state[:n_seq],
             state_write_slots=wr, logits_indices=self.logits_indices[:len(logits_rows)],
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_len=decode_len,
-            attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True),
+            kernels=self.kernels, attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True),
             decode_rows=DecodeRows.of_lists(read, [write_slots[i:i + decode_len]
                                                    for i in range(0, len(write_slots), decode_len)])
             if n_dec else None,
@@ -230,6 +232,6 @@ class StepInputBuilder:
             seq_lens=self.seq_lens[:n_seq], slot_mapping=self.slot_mapping[:t], block_tables=bt,
             state_slots=no_slots, has_initial_state=self.has_initial_state[:0],
             state_write_slots=self.state_write_slots[:0, :1], logits_indices=self.logits_indices[:0],
-            num_prefills=n_seq, num_prefill_tokens=t, decode_len=1,
+            num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
             attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True),
             decode_rows=None, chunks=None)
