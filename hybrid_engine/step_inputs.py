@@ -219,13 +219,13 @@ class StepInputBuilder:
         t, n_seq = len(positions), len(segs)
         width = max(len(tb) for tb in tables)
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
-        i64 = torch.int64
-        self.positions[:t].copy_(torch.tensor(positions, dtype=i64))
-        self.slot_mapping[:t].copy_(torch.tensor(slots, dtype=i64))
-        self.cu_seqlens[:n_seq + 1].copy_(torch.tensor(cu, dtype=i64))
-        self.seq_lens[:n_seq].copy_(torch.tensor(seq_lens, dtype=i64))
+        # One host-to-tensor conversion for all five fields (each costs more than a copy).
+        fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(
+            [t, t, n_seq + 1, n_seq, len(padded)])
         bt = self.block_tables[:n_seq, :width]
-        bt.copy_(torch.tensor(padded, dtype=i64).view(n_seq, width))
+        for buffer, values in zip((self.positions[:t], self.slot_mapping[:t], self.cu_seqlens[:n_seq + 1],
+                                   self.seq_lens[:n_seq], bt), fields):
+            buffer.copy_(values.view(buffer.shape))
         no_slots = self.state_slots[:0]
         return ForwardBatch(
             positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],

@@ -208,6 +208,6 @@ def test_compiled_steps_set_the_few_rows_flag_by_the_step_row_count():
     from hybrid_engine.compiled_steps import _tracing_config
     seen = []
     for rows in (1, linear_mod.FEW_ROWS, linear_mod.FEW_ROWS + 1):
-        with _tracing_config(False, rows):
+        with _tracing_config(rows):
             seen.append(linear_mod.few_rows_graph)
     assert seen == [True, True, False] and linear_mod.few_rows_graph is False
