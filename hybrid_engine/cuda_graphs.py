@@ -12,13 +12,14 @@ tokens), so the step can be captured once per batch-size bucket and replayed. Th
   Pad values must make a row harmless: write slots and KV slots -1 (skipped writes), read
   slots and block ids pointing at a valid scratch entry, one token per padded sequence.
 - Capture happens only at warm-up (`capture()`), largest bucket first, sharing one memory
-  pool; a batch larger than every bucket runs eagerly on the caller's tensors.
+  pool; a batch larger than every bucket runs eagerly on the real rows of the buffers.
 - The returned output is a view of the graph's static output: consume or copy it before
   the next run.
 
 Kernels inside a captured step must not synchronise with the host (no `.item()`, no
-`bool(tensor)`): the triton backend's decode path is written that way; the torch
-backend's is not (it is not meant to be captured).
+`bool(tensor)`): the triton backend's decode path is written that way. The torch backend's
+reads nothing back either for the engine's own unpadded steps (tests/test_host_reads.py),
+but skipping a padding row's writes takes a boolean mask, so it is not captured.
 """
 
 from __future__ import annotations

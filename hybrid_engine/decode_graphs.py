@@ -115,7 +115,7 @@ class DecodeGraphs:
                 has_initial_state=torch.ones(n, dtype=torch.bool, device=v["seq_lens"].device),
                 # every row samples: logits for all rows below, so the model needs no indices
                 state_write_slots=v["state_write_slots"], logits_indices=v["positions"][:0],
-                num_prefills=0, num_prefill_tokens=0, decode_len=L,
+                num_prefills=0, num_prefill_tokens=0, decode_len=L, kernels=self.builder.kernels,
                 attention=layout, decode_rows=PADDED_ROWS, chunks=None)
             hidden = self.model(v["input_ids"], batch, self.cache)
             return hidden, self.model.compute_logits(hidden).float()

@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from hybrid_engine import kernels
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, HybridCacheManager
 
@@ -133,7 +132,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.enforce_eager or torch.device(cfg.device).type != "cuda" or not graphs_supported(self.model):
             return None
-        if kernels.get_backend() == "torch" or not kernels.dispatch.triton_available():
+        if self.builder.kernels.name != "triton":
             return None
         buckets = cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs)
         k = self.num_speculative_tokens

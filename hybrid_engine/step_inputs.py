@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_engine.kernels import backend_for
 from hybrid_engine.kernels.attention import attention_layout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
@@ -61,6 +62,7 @@ class StepInputBuilder:
                  block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.k = num_speculative_tokens
+        self.kernels = backend_for(device)     # fixed for the engine's life, handed to every step
         # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers.
         max_num_tokens = max(max_num_tokens, max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
@@ -192,7 +194,7 @@ class StepInputBuilder:
             state_slots=self.state_slots[:n_seq], has_initial_state=self.has_initial_state[:n_seq],
             state_write_slots=wr, logits_indices=self.logits_indices[:len(logits_rows)],
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_len=decode_len,
-            attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True),
+            kernels=self.kernels, attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True),
             decode_rows=DecodeRows.of_lists(read, [write_slots[i:i + decode_len]
                                                    for i in range(0, len(write_slots), decode_len)])
             if n_dec else None,
@@ -217,19 +219,19 @@ class StepInputBuilder:
         t, n_seq = len(positions), len(segs)
         width = max(len(tb) for tb in tables)
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
-        i64 = torch.int64
-        self.positions[:t].copy_(torch.tensor(positions, dtype=i64))
-        self.slot_mapping[:t].copy_(torch.tensor(slots, dtype=i64))
-        self.cu_seqlens[:n_seq + 1].copy_(torch.tensor(cu, dtype=i64))
-        self.seq_lens[:n_seq].copy_(torch.tensor(seq_lens, dtype=i64))
+        # One host-to-tensor conversion for all five fields (each costs more than a copy).
+        fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(
+            [t, t, n_seq + 1, n_seq, len(padded)])
         bt = self.block_tables[:n_seq, :width]
-        bt.copy_(torch.tensor(padded, dtype=i64).view(n_seq, width))
+        for buffer, values in zip((self.positions[:t], self.slot_mapping[:t], self.cu_seqlens[:n_seq + 1],
+                                   self.seq_lens[:n_seq], bt), fields):
+            buffer.copy_(values.view(buffer.shape))
         no_slots = self.state_slots[:0]
         return ForwardBatch(
             positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],
             seq_lens=self.seq_lens[:n_seq], slot_mapping=self.slot_mapping[:t], block_tables=bt,
             state_slots=no_slots, has_initial_state=self.has_initial_state[:0],
             state_write_slots=self.state_write_slots[:0, :1], logits_indices=self.logits_indices[:0],
-            num_prefills=n_seq, num_prefill_tokens=t, decode_len=1,
+            num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
             attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True),
             decode_rows=None, chunks=None)

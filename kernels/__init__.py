@@ -1,7 +1,8 @@
 """The engine's kernels: every op has a torch reference and a triton version (kernels/triton/).
 
-Ops take tensors and flags only; nothing here knows about models or the engine. Each public
-op picks its backend per call (kernels/dispatch.py: triton on CUDA tensors when available,
+Ops take tensors and flags only; nothing here knows about models or the engine. An engine
+takes its ops from one `KernelBackend` chosen at construction (`backend_for`); the public ops
+below pick their backend per call (kernels/dispatch.py: triton on CUDA tensors when available,
 torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
 """
 
@@ -11,7 +12,7 @@ from . import fused as _fused
 from . import gdn as _gdn
 from . import norm as _norm
 from . import rope as _rope
-from .dispatch import dispatched, get_backend, set_backend, using_backend
+from .dispatch import KernelBackend, dispatched, get_backend, set_backend, using_backend
 from .gdn import naive_gated_delta_rule
 from .rope import rope_cos_sin
 
@@ -27,8 +28,18 @@ recurrent_gated_delta_rule_fused_gating = dispatched(_fused.recurrent_gated_delt
 rms_norm = dispatched(_norm.rms_norm)
 write_kv_cache = dispatched(_attention.write_kv_cache)
 
+_DISPATCHED = {name: op.torch_op for name, op in list(globals().items()) if hasattr(op, "torch_op")}
+
+
+def backend_for(device) -> KernelBackend:
+    """The ops an engine on `device` runs, by the default mode as it stands now."""
+    return KernelBackend.for_device(device, _DISPATCHED)
+
+
 __all__ = [
+    "KernelBackend",
     "apply_partial_rope",
+    "backend_for",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule",

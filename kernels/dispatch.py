@@ -1,11 +1,17 @@
 """Backend selection for the kernel ops: `torch` (reference, runs everywhere) or `triton`.
 
-    auto    triton when the op's first tensor is on CUDA and triton imports; torch otherwise
+    auto    triton on CUDA when triton imports; torch otherwise
     torch   always the torch ops
     triton  always the triton ops (on CPU tensors only under TRITON_INTERPRET=1: tests)
 
-The mode starts from HYBRID_ENGINE_KERNEL_BACKEND (default auto) and can be changed with
-`set_backend` or, for a block of code, `using_backend`. The triton package (and fla) is
+An engine picks its backend once, at construction (`KernelBackend.for_device`, from the
+default mode below), and every step's ForwardBatch carries it to the layers: nothing is
+looked up per op call on the engine's path.
+
+The default mode starts from HYBRID_ENGINE_KERNEL_BACKEND (default auto) and can be changed
+with `set_backend` or, for a block of code, `using_backend`; it decides the backend of engines
+made while it holds and of the module-level ops (`kernels.rms_norm`, ...), which pick per call
+by their first tensor's device (for tests and scripts). The triton package (and fla) is
 imported on first use, so a torch-only process never pays for it.
 """
 
@@ -58,6 +64,27 @@ def _triton_backend():
         from . import triton as ops
         _triton_ops = ops
     return _triton_ops
+
+
+class KernelBackend:
+    """One backend's ops as attributes (`backend.rms_norm(...)`), bound once."""
+
+    def __init__(self, name: str, ops: dict[str, Callable]):
+        self.name = name
+        for op_name, op in ops.items():
+            setattr(self, op_name, op)
+
+    @classmethod
+    def for_device(cls, device, torch_ops: dict[str, Callable]) -> KernelBackend:
+        """The default mode's backend for tensors on `device`."""
+        on_cuda = str(device).startswith("cuda")
+        if _mode == "torch" or (_mode == "auto" and not (on_cuda and triton_available())):
+            return cls("torch", torch_ops)
+        triton_ops = _triton_backend()
+        return cls("triton", {name: getattr(triton_ops, name) for name in torch_ops})
+
+    def __repr__(self) -> str:
+        return f"KernelBackend({self.name!r})"
 
 
 def dispatched(torch_op: Callable) -> Callable:

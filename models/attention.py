@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels import paged_attention, qk_norm_rope, write_kv_cache
-
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .linear import linear, merge_projections
@@ -38,11 +36,12 @@ class GatedAttention(nn.Module):
         q_gate, k, v = linear(x, self.qkv_weight).split(self.qkv_weight_sizes, dim=-1)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # q/k norms are zero-centred RMSNorms over head_dim, applied before RoPE.
-        q, k = qk_norm_rope(q, k.view(t, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+        ops = batch.kernels
+        q, k = ops.qk_norm_rope(q, k.view(t, self.num_kv_heads, self.head_dim), self.q_norm.weight,
                             self.k_norm.weight, self.eps, *rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, kv_cache, batch.slot_mapping, batch.attention.slots_valid)
-        o = paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale,
+        ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping, batch.attention.slots_valid)
+        o = ops.paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale,
                             batch.attention)
         # The gate is per head and per dim, in the same (head, dim) order as the output.
         o = o * torch.sigmoid(gate)

@@ -6,7 +6,8 @@ remaining ones are decode segments of exactly `decode_len` tokens each (1 for pl
 k+1 when verifying k drafts). GDN layers send the two groups to different kernels: chunked
 varlen for prefill, the recurrent pool kernel for decode (never padded into chunks).
 
-The last three fields are the step's facts that every layer of one kind would otherwise derive
+`kernels` is the engine's kernel backend, chosen once at its construction. The last three
+fields are the step's facts that every layer of one kind would otherwise derive
 again (or read back from the device): built once by the engine from the host-side lists it
 packed the step from, and handed to the kernels as arguments.
 """
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from hybrid_engine.kernels import KernelBackend
 from hybrid_engine.kernels.attention import AttentionLayout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
@@ -38,6 +40,7 @@ class ForwardBatch:
     num_prefills: int
     num_prefill_tokens: int
     decode_len: int
+    kernels: KernelBackend           # the ops every layer calls
     attention: AttentionLayout       # key positions and masks, shared by every attention layer
     decode_rows: DecodeRows | None   # the decode segments' GDN slot facts (None: no decodes)
     chunks: ChunkLayout | None       # the prefill segments' GDN chunk layout (None: no prefills)

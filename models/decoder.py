@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels import rms_norm
-
 from .attention import GatedAttention, _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, LINEAR, ModelConfig
@@ -37,6 +35,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rms_norm = batch.kernels.rms_norm
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
         if self.layer_type == FULL:
             h = self.self_attn(h, batch, caches.kv_caches[self.cache_index], rope)

@@ -12,14 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_engine.kernels import (
-    causal_conv1d_update,
-    causal_conv1d_varlen,
-    chunk_gated_delta_rule,
-    gated_rms_norm,
-    recurrent_gated_delta_rule,
-)
-
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .linear import linear, merge_projections
@@ -67,7 +59,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o = torch.cat([self._prefill(mixed[:p], g[:p], beta[:p], conv_w, batch, conv_pool, state_pool),
                            self._decode(mixed[p:], g[p:], beta[p:], conv_w, batch, conv_pool, state_pool)])
-        y = gated_rms_norm(o, z.view(t, self.hv, self.dv), self.norm.weight, self.eps)  # plain weight, not 1+w
+        y = batch.kernels.gated_rms_norm(o, z.view(t, self.hv, self.dv), self.norm.weight, self.eps)  # plain weight, not 1+w
         return linear(y.view(t, self.value_dim), self.out_proj.weight)
 
     def _prefill(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
@@ -78,13 +70,13 @@ class GatedDeltaNet(nn.Module):
         cu = batch.cu_seqlens[:np_ + 1]
         window = conv_pool[slots]
         window[fresh] = 0
-        u, final_window = causal_conv1d_varlen(mixed, conv_w, cu, window)
+        u, final_window = batch.kernels.causal_conv1d_varlen(mixed, conv_w, cu, window)
         conv_pool[slots] = final_window
         t = u.shape[0]
         q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         init = state_pool[slots]
         init[fresh] = 0
-        o, final_state = chunk_gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
+        o, final_state = batch.kernels.chunk_gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
                                                 v.reshape(t, self.hv, self.dv), g, beta, cu, init,
                                                 layout=batch.chunks)
         state_pool[slots] = final_state
@@ -96,9 +88,9 @@ class GatedDeltaNet(nn.Module):
         read = batch.state_slots[batch.num_prefills:] if batch.num_prefills else batch.state_slots
         write = batch.state_write_slots
         rows = batch.decode_rows
-        u = causal_conv1d_update(mixed.view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write, rows)
+        u = batch.kernels.causal_conv1d_update(mixed.view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write, rows)
         q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        o = recurrent_gated_delta_rule(
+        o = batch.kernels.recurrent_gated_delta_rule(
             q.view(nd, dl, self.hk, self.dk), k.view(nd, dl, self.hk, self.dk),
             v.view(nd, dl, self.hv, self.dv), g.view(nd, dl, self.hv), beta.view(nd, dl, self.hv),
             state_pool, read, write, rows=rows)

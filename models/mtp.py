@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels import rms_norm
-
 from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
@@ -36,6 +34,7 @@ class MTPHead(nn.Module):
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 caches: LayerCaches, rope) -> torch.Tensor:
         """token_embeds: embeddings of token t+1 [T, H]; hidden: target h_t (final-normed) [T, H]."""
+        rms_norm = batch.kernels.rms_norm
         e = rms_norm(token_embeds, self.pre_fc_norm_embedding.weight, self.eps)
         h = rms_norm(hidden, self.pre_fc_norm_hidden.weight, self.eps)
         x = linear(torch.cat([e, h], dim=-1), self.fc.weight)   # order matters: embedding first, then hidden

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels import rms_norm, rope_cos_sin
+from hybrid_engine.kernels import rope_cos_sin
 
 from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
@@ -61,7 +61,7 @@ class HybridForCausalLM(nn.Module):
         rope = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, batch, caches, rope)
-        return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
+        return batch.kernels.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps)
 
     def forward_step(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                      ) -> tuple[torch.Tensor, torch.Tensor]:

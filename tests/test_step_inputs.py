@@ -20,7 +20,7 @@ BATCH_TENSORS = ("positions", "cu_seqlens", "seq_lens", "slot_mapping", "block_t
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dense")
-    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder)
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder, add_mtp=True)
     return str(folder)
 
 
@@ -34,8 +34,15 @@ def _assert_same_inputs(got, want):
     for name in BATCH_TENSORS:
         a, b = getattr(got.batch, name), getattr(want.batch, name)
         assert a.shape == b.shape and torch.equal(a, b), name
-    for name in ("num_prefills", "num_prefill_tokens", "decode_len"):
+    for name in ("num_prefills", "num_prefill_tokens", "decode_len", "decode_rows", "kernels"):
         assert getattr(got.batch, name) == getattr(want.batch, name), name
+    # the step's facts: the attention layout (recomputed by the steady state too)
+    a, b = got.batch.attention, want.batch.attention
+    assert a.slots_valid == b.slots_valid and (a.keys is None) == (b.keys is None)
+    pairs = [(a.keys, b.keys)] if a.keys is not None else [(x.keys, y.keys) for x, y in zip(a.groups, b.groups)]
+    for x, y in pairs:
+        for name in ("blocks", "offsets", "visible"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
     fields = lambda s: (s.request, s.start, s.num_tokens, s.first_row, s.is_decode, s.samples)
     assert [fields(s) for s in got.segments] == [fields(s) for s in want.segments]
     assert [(fields(s), first, n) for s, first, n in got.sample_spans] == \
@@ -47,6 +54,7 @@ def _check_every_build(engine) -> list[int]:
     -> a counter of steps that took the steady-state path."""
     b = engine.builder
     fresh = StepInputBuilder(b.input_ids.numel(), b.seq_lens.numel(), b.block_tables.shape[1], b.block_size)
+    fresh.kernels = b.kernels
     build, num_steady = b.build, [0]
 
     def checked_build(sched, cache):
@@ -118,6 +126,32 @@ def test_earlier_outputs_do_not_change(ckpt):
         assert o.logprobs == final.logprobs[:n]
         assert all(t in lp for t, lp in zip(o.token_ids, o.logprobs))
     assert read_early == (outs[2].token_ids, outs[2].logprobs) == (final.token_ids[:3], final.logprobs[:3])
+
+
+def test_mtp_passes_are_packed_in_the_step_buffers(ckpt):
+    """One input batch: the drafter's passes read the builder's persistent buffers (no copies
+    of their own), with the facts a pass needs (the MTP layer is attention only)."""
+    engine = _engine(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    b, passes = engine.builder, []
+    batch = engine.drafter._batch
+
+    def recorded(segs):
+        out = batch(segs)
+        # read now: later steps overwrite the buffers these views show
+        assert out.seq_lens.tolist() == [start + n for _, start, n in segs]
+        passes.append(out)
+        return out
+
+    engine.drafter._batch = recorded
+    for prompt in ([5, 17, 3, 99, 250, 8], [1, 2, 3]):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(passes) > 4
+    for fb in passes:
+        for name in ("positions", "cu_seqlens", "seq_lens", "slot_mapping", "block_tables"):
+            assert getattr(fb, name).data_ptr() == getattr(b, name).data_ptr(), name
+        assert fb.decode_rows is None and fb.chunks is None and fb.kernels is b.kernels
 
 
 def test_token_ids_in_slices_prompt_then_output():
