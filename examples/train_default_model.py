@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from hybrid_engine.tokenizer import QWEN35_EOS_TOKEN, train_qwen35_bpe  # noqa: E402
+from qwen35_bpe import QWEN35_EOS_TOKEN, train_qwen35_bpe  # noqa: E402  (this folder)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "hybrid_engine" / "assets" / "default_model"

@@ -29,6 +29,10 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # numpy before torch: torch's C extension imports numpy itself and takes any failure,
+        # a KeyboardInterrupt included, as "numpy is missing", so a Ctrl-C landing there
+        # would be swallowed and the run would go on.
+        import numpy  # noqa: F401
         args = _parse(argv)
         return args.run(args)
     except BrokenPipeError:  # `hybrid-engine ... | head`: the reader left; not an error
@@ -120,25 +124,29 @@ def require_mtp(llm, what: str) -> None:
         raise CLIError(f"{what} needs a model with an MTP head, but {llm.engine.config.model} has no mtp.* weights")
 
 
-def read_prompts(args, stdin_fallback: bool = True) -> list[str | list[int]]:
-    """Prompts from the arguments, else --file, else (when allowed) all of stdin as one prompt."""
+def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()
+                 ) -> tuple[list[str | list[int]], list[dict]]:
+    """Prompts from the arguments, else --file, else (when allowed) all of stdin as one prompt;
+    with each prompt, the fields of `line_fields` its JSONL line sets (empty otherwise)."""
     if args.prompts and args.file:
         raise CLIError("give prompts as arguments or with --file, not both")
     if args.prompts:
-        return list(args.prompts)
-    if args.file:
-        return read_prompt_file(args.file)
-    if stdin_fallback and not sys.stdin.isatty():
-        text = sys.stdin.read()
-        if text.strip():
-            return [text.rstrip("\n")]
-    if stdin_fallback:
+        prompts = list(args.prompts)
+    elif args.file:
+        return read_prompt_file(args.file, line_fields)
+    elif stdin_fallback and not sys.stdin.isatty() and (text := sys.stdin.read()).strip():
+        prompts = [text.rstrip("\n")]
+    elif stdin_fallback:
         raise CLIError("no prompt given: pass it as an argument, with --file, or on stdin")
-    return []
+    else:
+        prompts = []
+    return prompts, [{} for _ in prompts]
 
 
-def read_prompt_file(path: str) -> list[str | list[int]]:
-    """One prompt per line, or JSONL objects with "prompt" (a string or a list of token ids)."""
+def read_prompt_file(path: str, line_fields: tuple[str, ...] = ()) -> tuple[list[str | list[int]], list[dict]]:
+    """One prompt per line, or JSONL objects with "prompt" (a string or a list of token ids) and
+    any of `line_fields`; another field is refused, not silently ignored. -> (prompts, the
+    fields each line set)."""
     if path == "-":
         text = sys.stdin.read()
     else:
@@ -152,15 +160,21 @@ def read_prompt_file(path: str) -> list[str | list[int]]:
     if not lines:
         raise CLIError(f"prompt file {path} holds no prompts")
     if not lines[0][1].lstrip().startswith("{"):
-        return [line for _, line in lines]
-    prompts = []
+        return [line for _, line in lines], [{} for _ in lines]
+    prompts, fields = [], []
     for n, line in lines:
         try:
             record = json.loads(line)
-            prompts.append(record["prompt"])
-        except (ValueError, KeyError, TypeError):
+            prompts.append(record.pop("prompt"))
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise CLIError(f"{path} line {n}: expected a JSON object with a \"prompt\" field") from None
-    return prompts
+        unknown = sorted(set(record) - set(line_fields))
+        if unknown:
+            allowed = f"\"prompt\" and {', '.join(line_fields)}" if line_fields else "only \"prompt\""
+            raise CLIError(f"{path} line {n}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                           f"a line holds {allowed}")
+        fields.append(record)
+    return prompts, fields
 
 
 def encode_prompts(llm, prompts: list[str | list[int]]) -> list[str | list[int]]:
@@ -189,8 +203,24 @@ def sampling_params(args, **fixed):
 
     names = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "stop",
              "repetition_penalty", "ignore_eos")
-    values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    values.update(fixed)
+    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    given.update(fixed)
+    values = dict(args.builtin_sampling)
+    if args.model_sampling_defaults:
+        from .default_model import default_model_path
+        from .generation_defaults import FILE_NAME, describe, load_generation_defaults
+
+        folder = args.model or default_model_path()
+        try:
+            from_model = load_generation_defaults(folder)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        used = {k: v for k, v in from_model.items() if k not in given}
+        if used:
+            print(f"[sampling defaults from {Path(folder) / FILE_NAME}: {describe(used)}; "
+                  "flags override them]", file=sys.stderr)
+        values.update(used)
+    values.update(given)
     params = SamplingParams(**values)
     try:
         params.validate(vocab_size=2**31)   # no vocabulary-dependent field comes from the command line
@@ -200,17 +230,24 @@ def sampling_params(args, **fixed):
     return params
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int, full: bool = True) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int, full: bool = True,
+                           model_defaults: bool = False) -> None:
+    """model_defaults: flags left out take the model folder's generation_config.json values
+    (then the defaults below); the flags' defaults are None so that given ones are known."""
+    where = "the model's generation_config.json, else " if model_defaults else ""
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate (default: {where}{max_tokens})")
+    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default: {where}0)")
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="keep generating past the end-of-sequence token")
+    parser.set_defaults(builtin_sampling={"max_tokens": max_tokens, "temperature": 0.0},
+                        model_sampling_defaults=model_defaults)
     if full:
-        g.add_argument("--top-k", type=int, default=-1, help="-1 = the whole vocabulary (default)")
-        g.add_argument("--top-p", type=float, default=1.0)
-        g.add_argument("--min-p", type=float, default=0.0)
-        g.add_argument("--repetition-penalty", type=float, default=1.0)
+        g.add_argument("--top-k", type=int, default=None, help=f"-1 = the whole vocabulary (default: {where}-1)")
+        g.add_argument("--top-p", type=float, default=None, help=f"(default: {where}1.0)")
+        g.add_argument("--min-p", type=float, default=None, help=f"(default: {where}0.0)")
+        g.add_argument("--repetition-penalty", type=float, default=None, help=f"(default: {where}1.0)")
         g.add_argument("--stop", action="append", default=None, metavar="STRING",
                        help="stop at this string (repeatable)")
 

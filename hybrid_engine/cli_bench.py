@@ -80,7 +80,7 @@ def run(args) -> int:
         if value < 1:
             raise CLIError(f"{flag} must be >= 1, got {value}")
     params = sampling_params(args, ignore_eos=True)
-    raw = read_prompt_file(args.prompts) if args.prompts else BUILTIN_PROMPTS
+    raw = read_prompt_file(args.prompts)[0] if args.prompts else BUILTIN_PROMPTS
     ks = list(range(args.max_k + 1))
     num_batches = -(-len(raw) // args.batch_size)
     bar = tqdm(total=len(ks) * (1 + args.repeats * num_batches), desc="bench", unit="run",

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 
-from .cli import (add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
+from .cli import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
                   encode_prompts, read_prompts, sampling_params)
 
 NAME = "generate"
 HELP = "generate text from prompts"
 DESCRIPTION = """\
 Complete prompts: from the arguments, from --file (one per line, or JSONL with "prompt"),
-or all of stdin as one prompt. A single prompt streams to the terminal as it is generated.
+or all of stdin as one prompt. A JSONL line may also set sampling fields (SamplingParams'
+names: "max_tokens", "temperature", "stop", ...), which override the flags for that prompt.
+A single prompt streams to the terminal as it is generated.
 Without a tokenizer in the model folder, a prompt is space-separated token ids.
 
   hybrid-engine generate "def fibonacci(n):" --max-tokens 48
@@ -22,9 +25,15 @@ Without a tokenizer in the model folder, a prompt is space-separated token ids.
 """
 
 
+# What a --file JSONL line may set besides "prompt": any SamplingParams field (vLLM's names).
+LINE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids",
+               "ignore_eos", "logprobs")
+
+
 def add_arguments(parser) -> None:
     add_prompt_arguments(parser)
-    add_sampling_arguments(parser, max_tokens=64)
+    add_sampling_arguments(parser, max_tokens=64, model_defaults=True)
     add_engine_arguments(parser)
     parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                         help="MTP speculative decoding with K draft tokens (default: off)")
@@ -37,9 +46,12 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     params = sampling_params(args)
-    prompts = read_prompts(args)
+    prompts, line_fields = read_prompts(args, line_fields=LINE_FIELDS)
+    per_prompt = [_line_params(params, fields, i) for i, fields in enumerate(line_fields)]
     llm = build_llm(args, args.speculative_tokens)
     prompts = encode_prompts(llm, prompts)
+    if any(line_fields):
+        params = per_prompt
     start = time.perf_counter()
     if args.stream and len(prompts) == 1 and not args.json:
         outputs = [_stream(llm, prompts[0], params, args.echo)]
@@ -49,6 +61,18 @@ def run(args) -> int:
             _print_output(llm, i, out, len(prompts), args)
     _summary(outputs, time.perf_counter() - start, args.speculative_tokens)
     return 0
+
+
+def _line_params(params, fields: dict, index: int):
+    """The command line's sampling params with what prompt `index`'s JSONL line sets."""
+    if not fields:
+        return params
+    line = dataclasses.replace(params, **fields)
+    try:
+        line.validate(vocab_size=2**31)   # token ids are checked against the vocabulary later
+    except ValueError as e:
+        raise CLIError(f"prompt {index} of --file: {e}") from None
+    return line
 
 
 def _as_text(llm, token_ids: list[int], text: str) -> str:

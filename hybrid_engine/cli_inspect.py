@@ -9,7 +9,9 @@ which compares two snapshots.
 from __future__ import annotations
 
 import math
+import os
 import sys
+from pathlib import Path
 
 from .cli import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
                   console, dtype_name, encode_prompts, read_prompts, sampling_params, write_json)
@@ -121,12 +123,14 @@ def _default_prompts(llm) -> list:
 
 def _start(args, k: int, dtype: str | None = None):
     llm = build_llm(args, k, dtype=dtype or args.dtype or "auto")
-    prompts = encode_prompts(llm, read_prompts(args, stdin_fallback=False) or _default_prompts(llm))
+    prompts = encode_prompts(llm, read_prompts(args, stdin_fallback=False)[0] or _default_prompts(llm))
     return llm, prompts
 
 
 def _inspect(args) -> int:
     params = sampling_params(args)
+    if args.snapshot:
+        _check_snapshot_path(args.snapshot)
     llm, prompts = _start(args, args.speculative_tokens)
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -275,6 +279,18 @@ def _bytes(n: float) -> str:
 def _snapshot_entry(req) -> dict:
     return {"id": req.request_id, "num_tokens": req.num_computed_tokens,
             "prompt_tokens": len(req.prompt_token_ids), "output_tokens": len(req.output_token_ids)}
+
+
+def _check_snapshot_path(path: str) -> None:
+    """Before any step runs: a snapshot that cannot be written would lose the whole run."""
+    target = Path(path)
+    if target.is_dir():
+        raise CLIError(f"--snapshot {path} is a folder; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise CLIError(f"--snapshot {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CLIError(f"--snapshot {path}: folder {folder} is not writable")
 
 
 def _save_snapshot(path: str, engine, snapshot, step: int) -> None:

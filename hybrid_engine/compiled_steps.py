@@ -8,10 +8,9 @@ seconds per graph on a 2-core machine; inductor caches them on disk across proce
 
 What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
 decode_len k+1) and the MTP drafter's decode-sized passes (spec_decode/mtp_drafter.py), never
-padded. Under tracing the kernels take their paths that read nothing back to the host
-(kernels/attention.py, kernels/slot_pool.py, kernels/gdn/recurrent.py); those assume equal
-segment lengths and no padding slots, which is what these steps have. Prefill and mixed steps
-stay eager: their shapes change every step.
+padded. The kernels read nothing back to the host there, eager or traced: what they need to
+know about the step comes in the ForwardBatch. Prefill and mixed steps stay eager: their
+shapes change every step.
 
 Shapes: the token, request and block-table-width dims are marked dynamic and traced with
 size-oblivious reasoning (no specialisation on sizes 0 and 1 where it can be avoided), so a
@@ -21,18 +20,18 @@ where an op forces one.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import types
 import warnings
 
 import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
+from torch._inductor.compile_fx import compile_fx
 
-import hybrid_engine.models.linear as linear_module
+from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
-from hybrid_engine.models.linear import can_pack_onednn
 
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
@@ -42,21 +41,27 @@ warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functoo
 class CompiledSteps:
     def __init__(self, model: HybridForCausalLM):
         self.model = model
-        # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: models/linear.py),
+        # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: kernels/cpu/projection.py),
         # inductor's freezing packs them (weights become constants of the graph, packed once;
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
         # would pack for a slower GEMV and double the weights, so it is off there.
-        # (Set around each call, as the compile happens inside one: torch.compile's `options`
-        # did not turn freezing on here.)
-        self.freeze = can_pack_onednn(model.lm_head_weight())
+        # Set by the backend, which runs only when a graph is compiled.
+        head = model.lm_head_weight()
+        freeze = head.device.type == "cpu" and onednn_packs(head.dtype)
+        # No 0/1 specialisation of dynamic sizes (size-oblivious tracing), so that batch 1
+        # shares the graphs of larger batches. Dynamo reads this while it traces, before any
+        # backend runs, so it is set here, once, for the process (it changes no result of an
+        # eager op and no graph other compiles would make, only how many they need).
+        fx_config.backed_size_oblivious = True
         # The model's modules and weights do not change once the engine runs, so the guards
         # on them (one per parameter, checked on every call) are dropped: they cost about
         # 0.2 ms a call here, a tenth of a default-model decode step.
         # That is safe because each CompiledSteps compiles its own copies of the functions
         # (_own_code): graphs made for one engine's model are never offered to another's.
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._decode = torch.compile(_own_code(self._decode_forward), options=options)
-        self._mtp = (torch.compile(_own_code(self._mtp_pass), options=options)
+        backend = _inductor(freeze)
+        self._decode = torch.compile(_own_code(self._decode_forward), backend=backend, options=options)
+        self._mtp = (torch.compile(_own_code(self._mtp_pass), backend=backend, options=options)
                      if model.mtp is not None else None)
 
     @staticmethod
@@ -67,20 +72,20 @@ class CompiledSteps:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode or verify step -> (final-normed hidden [T, H], float32 logits of the
         batch's logits_indices rows), as ModelRunner.forward returns them."""
+        batch = _traceable(batch)
         _mark_dynamic(input_ids, batch)
-        with _tracing_config(self.freeze, input_ids.shape[0]):
-            return self._decode(input_ids, batch, caches)
+        return self._decode(input_ids, batch, caches)
 
     def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """An MTP pass (HybridForCausalLM.mtp_forward) over segments of one length -> (its
         output hidden at `rows`, None: every row; the greedy token from each of those)."""
+        batch = _traceable(batch)
         _mark_dynamic(tokens, batch)
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
         if rows is not None:
             torch._dynamo.maybe_mark_dynamic(rows, 0)
-        with _tracing_config(self.freeze, tokens.shape[0]):
-            return self._mtp(tokens, hidden, batch, caches, rows)
+        return self._mtp(tokens, hidden, batch, caches, rows)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +109,24 @@ def _own_code(method):
     return types.MethodType(own, method.__self__)
 
 
+def _inductor(freeze: bool):
+    """Inductor, with freezing on or off for the graphs it compiles (a config patch around the
+    compile itself: nothing is set on the calls that replay a graph)."""
+    def backend(graph, example_inputs):
+        with inductor_config.patch(freezing=freeze):
+            return compile_fx(graph, example_inputs)
+    return backend
+
+
+def _traceable(batch: ForwardBatch) -> ForwardBatch:
+    """The batch without the decode rows' slot ids (host ints): dynamo would guard on each value
+    and compile again for every new slot. Traced steps take the forms that do not need them."""
+    rows = batch.decode_rows
+    if rows is None or rows.read_ids is None:
+        return batch
+    return dataclasses.replace(batch, decode_rows=rows.without_ids())
+
+
 def _mark_dynamic(tokens: torch.Tensor, batch: ForwardBatch) -> None:
     """Marks the per-token and per-request dims dynamic (the marks live on these tensor objects,
     which are new views every step, so every call marks them; a mark costs about a microsecond)."""
@@ -112,21 +135,7 @@ def _mark_dynamic(tokens: torch.Tensor, batch: ForwardBatch) -> None:
               batch.has_initial_state, batch.state_write_slots, batch.logits_indices, batch.block_tables):
         mark(t, 0)
     mark(batch.block_tables, 1)
-
-
-@contextlib.contextmanager
-def _tracing_config(freeze: bool, rows: int):
-    """What a compile inside the call must see: no 0/1 specialisation of dynamic sizes
-    (size-oblivious tracing), for packed dtypes inductor's freezing, and whether the step's
-    products have few enough rows for the weights' blocked bf16 copies (models/linear.py
-    `few_rows_graph`: a guarded constant, so each answer gets a graph of its own). Set and reset
-    by hand: a config patch context costs about 0.1 ms a call."""
-    previous = fx_config.backed_size_oblivious, inductor_config.freezing
-    fx_config.backed_size_oblivious = True
-    inductor_config.freezing = freeze
-    linear_module.few_rows_graph = rows <= linear_module.FEW_ROWS
-    try:
-        yield
-    finally:
-        fx_config.backed_size_oblivious, inductor_config.freezing = previous
-        linear_module.few_rows_graph = False
+    keys = batch.attention.keys          # [N, L] gather indices and the [N, 1, Q, L] mask
+    for t in (keys.blocks, keys.offsets, keys.visible):
+        mark(t, 0)
+        mark(t, t.dim() - 1)

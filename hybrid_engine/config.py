@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -31,6 +34,15 @@ class EngineConfig:
     bf16_few_rows_copy: bool = True
 
     def validate(self) -> None:
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path to a model folder (str) or None, got "
+                             f"{type(self.model).__name__} {self.model!r}")
+        if not isinstance(self.dtype, (str, torch.dtype)):
+            raise ValueError(f"dtype must be a str such as 'float32', got {self.dtype!r}")
+        self._validate_device()
+        # torch.Generator.manual_seed accepts exactly this range.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -52,3 +64,19 @@ class EngineConfig:
                              f"({self.max_num_seqs}), got {sizes!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+
+    def _validate_device(self) -> None:
+        if not isinstance(self.device, (str, torch.device)):
+            raise ValueError(f"device must be a str such as 'cpu' or 'cuda', got {self.device!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a torch device; use 'cpu' or 'cuda'") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not supported; use 'cpu' or 'cuda'")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r} asked for, but torch sees "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import random
 import time
 
 import torch
@@ -29,7 +30,7 @@ from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import StepInputBuilder, StepInputs
-from .step_update import SegmentResult, StepOutput, StepUpdater, request_output
+from .step_update import SegmentResult, StepOutput, StepUpdater, request_output, take_text_delta
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -75,9 +76,10 @@ class LLMEngine:
         if config.model is None:
             from .default_model import default_model_path
             config.model = str(default_model_path())
-        self.model, self.model_config = load_model(config.model, config.dtype, config.device)
-        self.tokenizer = load_tokenizer(config.model)
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
+        # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
+        self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0)
+        self.tokenizer = load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         if config.max_num_batched_tokens < config.max_num_seqs * (1 + k):
@@ -85,6 +87,10 @@ class LLMEngine:
                              f"max_num_seqs * (1 + num_speculative_tokens) = {config.max_num_seqs * (1 + k)}")
         spec = cache_spec_for(self.model_config, self.model, config.block_size)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:   # refused as vLLM does
+            raise ValueError(f"max_model_len ({max_len}) is greater than the model's max_position_embeddings "
+                             f"({self.model_config.max_position_embeddings}) in {config.model}/config.json; "
+                             "positions past it were never trained")
         budget = config.cache_memory_bytes
         if budget is None:
             per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)
@@ -102,13 +108,17 @@ class LLMEngine:
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device)
-        graphs = self._decode_graphs(max_blocks_per_seq)
+        graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
-        self.drafter = MTPDrafter(self.model, self.cache, k, config.block_size, compiled) if k else None
+        self.drafter = MTPDrafter(self.model, self.cache, k, self.builder, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
         self.sampler = Sampler()
+        # The engine's seed reaches every unseeded request as a seed of its own, drawn in
+        # arrival order: the same calls give the same samples run to run (vLLM's LLM(seed=...)),
+        # whatever else shares their batches.
+        self._seed_source = random.Random(config.seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
@@ -116,7 +126,7 @@ class LLMEngine:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
 
-    def _decode_graphs(self, max_blocks_per_seq: int) -> DecodeGraphs | None:
+    def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:
         graphs need CUDA tensors, the triton backend (the torch ops read lengths back to the
         host) and a dense model (MoE routing reads expert counts back)."""
@@ -127,8 +137,8 @@ class LLMEngine:
             return None
         buckets = cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs)
         k = self.num_speculative_tokens
-        return DecodeGraphs(self.model, self.cache, [1, 1 + k] if k else [1], buckets,
-                            max_blocks_per_seq, cfg.device, capture=True)
+        return DecodeGraphs(self.model, self.cache, self.builder, [1, 1 + k] if k else [1], buckets,
+                            capture=True)
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -195,7 +205,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, text, ids, params, self.eos_token_ids)
+        req = Request(request_id, text, ids, params, self.eos_token_ids, sampling_seed=self.sampling_seed(params))
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
         if self.tokenizer is not None:
@@ -204,6 +214,11 @@ class LLMEngine:
         self.scheduler.add(req)
         return request_id
 
+    def sampling_seed(self, params: SamplingParams) -> int:
+        """The seed that keys a request's sampling: its own, or for an unseeded request a fresh
+        one from the engine's seed source (the one place unseeded randomness comes from)."""
+        return params.seed if params.seed is not None else self._seed_source.getrandbits(64)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its memory at once."""
         req = self.requests.pop(str(request_id), None)
@@ -211,7 +226,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req)
         req.finish_reason = "abort"
-        return request_output(req, [], "")
+        return request_output(req, [], take_text_delta(req))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -309,7 +324,8 @@ class LLMEngine:
             banned = list(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
                 banned += req.eos_token_ids
-        return SamplingRow(req.params, req.prompt_token_ids, output, req.generator, banned)
+        return SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_seed,
+                           len(req.output_token_ids) + len(extra), banned)
 
 
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .engine import LLMEngine
 from .engine_loop import EngineLoop
+from .generation_defaults import load_generation_defaults
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -25,13 +26,26 @@ class LLM:
                  cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
-                 enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True):
+                 enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True,
+                 generation_config: str = "auto"):
+        """generation_config: "auto" takes the default sampling parameters (used when a call
+        gives none) from the model folder's generation_config.json; "vllm" ignores that file
+        (vLLM's flag and values)."""
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         self.loop = EngineLoop(LLMEngine(EngineConfig(
             model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cache_memory_bytes=cache_memory_bytes,
             speculative_config=speculative_config, max_model_len=max_model_len, device=device, seed=seed,
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
             enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy)))
+        self._generation_defaults = (load_generation_defaults(self.engine.config.model)
+                                     if generation_config == "auto" else {})
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: SamplingParams' defaults updated with the
+        model's generation_config.json (vLLM's method of the same name)."""
+        return SamplingParams(**self._generation_defaults)
 
     @property
     def engine(self) -> LLMEngine:
@@ -53,7 +67,9 @@ class LLM:
     def _normalise(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """Checks every prompt and parameter before anything runs; ValueError names the index."""
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
@@ -64,6 +80,7 @@ class LLM:
                              f"got {type(sampling_params).__name__}")
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
+            p = self.get_default_sampling_params() if p is None else p
             try:
                 p = self.engine.validate_params(p)
                 self.engine.encode_prompt(prompt)

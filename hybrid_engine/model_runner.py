@@ -25,10 +25,11 @@ class ModelRunner:
         self.cache = cache
         self.decode_graphs = decode_graphs
         self.compiled = compiled
-        # CPU weight layouts (models/linear.py): float32 blocked for the native kernel, which
-        # compiled steps call too; bf16/fp16 reordered for oneDNN, except under compiled steps,
-        # which pack their own (inductor's freezing); bf16 also keeps a blocked copy for
-        # products of a few rows unless told not to.
+        # CPU weight layouts (kernels/cpu/projection.py, chosen per projection once): blocked
+        # for the native kernel, which compiled steps call too; bf16/fp16 reordered for oneDNN
+        # where the CPU level allows, except under compiled steps, which pack their own
+        # (inductor's freezing); bf16 also keeps a blocked copy for products of a few rows
+        # unless told not to.
         model.pack_weights(onednn=compiled is None, few_rows_copy=bf16_few_rows_copy)
         if decode_graphs is not None:
             with torch.inference_mode():

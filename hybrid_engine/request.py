@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -57,16 +55,14 @@ class Request:
     streamed_len: int = 0      # characters of text already handed out as streaming deltas
     detokenizer: IncrementalDetokenizer | None = None    # None: the model folder has no tokenizer
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    # Keys the randomness of every output position (hybrid_engine/sampler.py): params.seed, or
+    # the one the engine picked for an unseeded request.
+    sampling_seed: int = 0
     # Speculative decoding: drafts to verify next step (set only by hybrid_engine/step_update.py
     # from the drafter's output), and per-request counters.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_stats: "SpecStats | None" = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
-
-    def __post_init__(self):
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list."""

@@ -4,8 +4,15 @@ Processing order follows vLLM: penalties on the raw logits, banned tokens -> -in
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Logprobs are taken from
 the raw logits, before any of that (vLLM's default).
 
+The draw is keyed by position: the token at output position p of a request with seed s is
+the inverse CDF of its final distribution at one uniform u = hash(s, p) (`position_uniform`).
+No generator state is carried from step to step, so a request samples the same tokens
+whatever shares its batch, wherever its row sits, after a preemption, and whether its
+positions are sampled one per step or k+1 at a time by the speculative verifier; and the
+uniforms are plain numbers, the same on every device.
+
 The pieces (`apply_penalties`, `mask_banned_tokens`, `processed_probs`,
-`Sampler.sample_from_probs`) work on any [N, V] block with one SamplingRow per row, so
+`sample_from_probs`) work on any [N, V] block with one SamplingRow per row, so
 the speculative verifier can flatten [B, T, V] to [B*T, V] with one row per position
 (its output_token_ids extended by the drafts before that position where a penalty reads them).
 """
@@ -25,7 +32,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # None: the sampler's default generator
+    seed: int = 0               # the request's (hybrid_engine/engine.py picks one when unseeded)
+    position: int = 0           # output position of the token this row samples
     banned_token_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
 
 
@@ -36,10 +44,6 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None):
-        self.seed = seed
-        self._default_generators: dict[torch.device, torch.Generator] = {}
-
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         _check_batch(logits, rows)
         raw = logits.float()
@@ -49,40 +53,42 @@ class Sampler:
         else:
             probs = processed_probs(raw, rows)
             if len(sampled) == len(rows):
-                tokens = self.sample_from_probs(probs, [row.generator for row in rows])
+                tokens = sample_from_probs(probs, rows)
             else:
                 tokens = greedy_tokens(probs)  # greedy rows: the index of their one-hot
-                tokens[sampled] = self.sample_from_probs(probs[sampled], [rows[i].generator for i in sampled])
+                tokens[sampled] = sample_from_probs(probs[sampled], [rows[i] for i in sampled])
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=_raw_logprobs(raw, tokens, rows))
 
-    def sample_from_probs(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-        """One token per row of `probs` [N, V], drawn with that row's generator.
 
-        argmax(p / E) with E ~ Exponential(1) i.i.d. is a draw from p (the exponential race),
-        and each row's noise comes from its own generator, so a seeded request gets the
-        same tokens whatever else is in the batch and wherever its row sits.
-        """
-        # -log(U) with U uniform in [0, 1) is Exponential(1) and never 0 (a 0 would turn a
-        # banned token's 0/0 into NaN, which argmax picks); uniform_ is several times faster
-        # than exponential_ on CPU.
-        uniform = torch.empty_like(probs)
-        default = self._default_generator(probs.device)
-        if all(g is None for g in generators):
-            uniform.uniform_(generator=default)
-        else:
-            for row_uniform, g in zip(uniform, generators):
-                row_uniform.uniform_(generator=g if g is not None else default)
-        return greedy_tokens(probs / uniform.log_().neg_())
+def sample_from_probs(probs: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """One token per row of `probs` [N, V]: the first token whose cumulative probability
+    exceeds u * total, u = position_uniform(row.seed, row.position). Exact inverse-CDF
+    sampling; the sum runs in float64, so over a 250k vocabulary its rounding moves no
+    measurable mass. A token of probability 0 is never chosen: the CDF does not rise there."""
+    uniforms = torch.tensor([position_uniform(row.seed, row.position) for row in rows],
+                            dtype=torch.float64, device=probs.device)
+    cdf = probs.double().cumsum_(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
-    def _default_generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._default_generators:
-            g = torch.Generator(device=device)
-            if self.seed is None:
-                g.seed()
-            else:
-                g.manual_seed(self.seed)
-            self._default_generators[device] = g
-        return self._default_generators[device]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele et al. 2014): a bijection of 64-bit ints whose outputs pass
+    BigCrush even for consecutive inputs, which positions are."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1 - 2**-52] from (seed, position) alone (a counter-based generator).
+    52 bits, not 53: then u * total rounds strictly below total for any total near 1, so the
+    inverse CDF never runs past the last token of positive probability."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 12) * 2.0**-52
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:

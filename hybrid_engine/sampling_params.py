@@ -31,18 +31,15 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     logprobs: int | None = None  # N most likely tokens (plus the chosen one) per step
+    # vLLM's: keep a stop string, and a stop token's text, in the output text (dropped by default)
+    include_stop_str_in_output: bool = False
 
-    def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif isinstance(self.stop, (list, tuple)):
-            self.stop = list(self.stop)
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        elif isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = list(self.stop_token_ids)
+    def __setattr__(self, name: str, value) -> None:
+        # stop / stop_token_ids are normalised to lists on every assignment, not only in the
+        # constructor, so that `params.stop = "\n"` means what it does in SamplingParams(stop="\n").
+        if name in ("stop", "stop_token_ids"):
+            value = _as_list(value)
+        super().__setattr__(name, value)
 
     @property
     def is_greedy(self) -> bool:
@@ -81,8 +78,21 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", self.ignore_eos, "a bool")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            _fail("include_stop_str_in_output", self.include_stop_str_in_output, "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= vocab_size):
             _fail("logprobs", self.logprobs, f"None or an int in [0, {vocab_size}]")
+
+
+def _as_list(value):
+    """None -> [], a str -> [it], a list or tuple -> a list; anything else is left for validate()."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return value
 
 
 def _is_int(value: object) -> bool:

@@ -13,6 +13,11 @@ Steady state: when a step decodes exactly the requests of the last step, in the 
 one token each (plain decode), only what changed is written: the new tokens, positions,
 lengths and KV slots moved up by one in place, and a block-table entry for a request that
 entered a new block. Anything else is packed from scratch.
+
+The step's facts that layers would otherwise derive in every layer, with reads back to the
+host (ForwardBatch.attention, .decode_rows, .chunks), are computed here once, from the lists
+the step is packed from. The MTP drafter's passes (`build_mtp`) are packed into the same
+buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_engine.kernels.attention import attention_layout
+from hybrid_engine.kernels.gdn.chunk import ChunkLayout
+from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
 from hybrid_engine.state_cache import HybridCacheManager, kv_slots
 
@@ -53,6 +61,8 @@ class StepInputBuilder:
                  block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.k = num_speculative_tokens
+        # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers.
+        max_num_tokens = max(max_num_tokens, max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_num_tokens, **i64)
         self.positions = torch.zeros(max_num_tokens, **i64)
@@ -117,6 +127,8 @@ class StepInputBuilder:
             for row, col, block in new_blocks:
                 batch.block_tables[row, col] = block
                 self.slot_mapping[row] = block * bs
+        batch = dataclasses.replace(batch, attention=attention_layout(
+            batch.block_tables, batch.seq_lens, [1] * n, bs, slots_valid=True))
         inputs = StepInputs(self.input_ids[:n], batch, segments, [(seg, seg.first_row, 1) for seg in segments])
         self._last_decode = inputs
         return inputs
@@ -127,7 +139,7 @@ class StepInputBuilder:
         bs = self.block_size
         decode_len = segments[-1].num_tokens if len(segments) > num_prefills else 1
         ids, positions, slots, cu, seq_lens, state_slots, has_init = [], [], [], [0], [], [], []
-        tables, write_slots, logits_rows, spans = [], [], [], []
+        tables, write_slots, logits_rows, spans, query_lens = [], [], [], [], []
         for seg in segments:
             req, start, n = seg.request, seg.start, seg.num_tokens
             end = start + n
@@ -146,6 +158,7 @@ class StepInputBuilder:
             state_slots.append(rc.slot)
             has_init.append(start > 0)     # per request: GDN state exists iff it cached tokens
             tables.append(rc.block_table)
+            query_lens.append(n)
             if seg.samples:
                 # A prefill samples from its last token; a decode/verify from all of its tokens.
                 first = seg.first_row if seg.is_decode else seg.first_row + n - 1
@@ -171,11 +184,52 @@ class StepInputBuilder:
         if n_dec:
             wr.copy_(torch.tensor(write_slots, dtype=i64).view(n_dec, decode_len))
         self.logits_indices[:len(logits_rows)].copy_(torch.tensor(logits_rows, dtype=i64))
+        seq_lens_t = self.seq_lens[:n_seq]
+        read = state_slots[num_prefills:]
         batch = ForwardBatch(
             positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],
-            seq_lens=self.seq_lens[:n_seq], slot_mapping=self.slot_mapping[:t], block_tables=bt,
+            seq_lens=seq_lens_t, slot_mapping=self.slot_mapping[:t], block_tables=bt,
             state_slots=self.state_slots[:n_seq], has_initial_state=self.has_initial_state[:n_seq],
             state_write_slots=wr, logits_indices=self.logits_indices[:len(logits_rows)],
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_len=decode_len,
+            attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True),
+            decode_rows=DecodeRows.of_lists(read, [write_slots[i:i + decode_len]
+                                                   for i in range(0, len(write_slots), decode_len)])
+            if n_dec else None,
+            chunks=ChunkLayout(query_lens[:num_prefills], device=self.positions.device) if num_prefills else None,
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
+
+    def build_mtp(self, segs: list[tuple[int, int, list[int]]]) -> ForwardBatch:
+        """An MTP pass (spec_decode/mtp_drafter.py) over segments (start, length, block table)
+        into the same buffers: positions, KV slots, lengths and the blocks attention reads. The
+        MTP layer is full attention only: the GDN fields stay empty. The next `build` packs
+        from scratch (the steady state's buffers are overwritten here)."""
+        self._last_decode = None
+        bs = self.block_size
+        positions, slots, cu, seq_lens, tables = [], [], [0], [], []
+        for start, n, table in segs:
+            positions.extend(range(start, start + n))
+            slots.extend(kv_slots(table, start, start + n, bs))
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table[:(start + n + bs - 1) // bs])        # the blocks attention reads
+        t, n_seq = len(positions), len(segs)
+        width = max(len(tb) for tb in tables)
+        padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
+        i64 = torch.int64
+        self.positions[:t].copy_(torch.tensor(positions, dtype=i64))
+        self.slot_mapping[:t].copy_(torch.tensor(slots, dtype=i64))
+        self.cu_seqlens[:n_seq + 1].copy_(torch.tensor(cu, dtype=i64))
+        self.seq_lens[:n_seq].copy_(torch.tensor(seq_lens, dtype=i64))
+        bt = self.block_tables[:n_seq, :width]
+        bt.copy_(torch.tensor(padded, dtype=i64).view(n_seq, width))
+        no_slots = self.state_slots[:0]
+        return ForwardBatch(
+            positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],
+            seq_lens=self.seq_lens[:n_seq], slot_mapping=self.slot_mapping[:t], block_tables=bt,
+            state_slots=no_slots, has_initial_state=self.has_initial_state[:0],
+            state_write_slots=self.state_write_slots[:0, :1], logits_indices=self.logits_indices[:0],
+            num_prefills=n_seq, num_prefill_tokens=t, decode_len=1,
+            attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True),
+            decode_rows=None, chunks=None)

@@ -85,7 +85,10 @@ class StepUpdater:
         self.spec_stats.record(seg.num_tokens - 1, accepted)
 
     def _append_token(self, req: Request, tok: int, logprobs) -> bool:
-        """Appends one token and applies every stop rule; True when the request finished."""
+        """Appends one token and applies every stop rule (vLLM's): none fires before min_tokens;
+        an EOS or stop token ends the request and, unless include_stop_str_in_output, its text
+        stays out of `text`; a stop string cuts the text where it starts (or after it, with
+        include_stop_str_in_output); then max_tokens and max_model_len. True when finished."""
         now = time.monotonic()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -93,17 +96,18 @@ class StepUpdater:
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         p = req.params
-        delta_len = 0
+        may_stop = len(req.output_token_ids) >= p.min_tokens
+        is_eos = may_stop and not p.ignore_eos and tok in req.eos_token_ids
+        is_stop_token = may_stop and not is_eos and tok in p.stop_token_ids
         detok = req.detokenizer
-        if detok is not None:
-            delta_len = len(detok.update(req.output_token_ids))
+        new_text = 0
+        if detok is not None and (p.include_stop_str_in_output or not (is_eos or is_stop_token)):
+            new_text = len(detok.update(req.output_token_ids))
             req.text = detok.text
-        if not p.ignore_eos and tok in req.eos_token_ids:
-            req.finish_reason = "stop"
-        elif p.stop_token_ids and tok in p.stop_token_ids:
-            req.finish_reason, req.stop_reason = "stop", tok
-        elif p.stop and detok is not None:
-            _cut_at_stop_string(req, delta_len)
+        if is_eos or is_stop_token:
+            req.finish_reason, req.stop_reason = "stop", tok if is_stop_token else None
+        elif p.stop and detok is not None and may_stop:
+            _cut_at_stop_string(req, new_text)
         if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
                                           or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
@@ -114,23 +118,42 @@ class StepUpdater:
         return True
 
 
-def _cut_at_stop_string(req: Request, delta_len: int) -> bool:
+def _cut_at_stop_string(req: Request, new_text: int) -> None:
+    """Finds the first stop string that ends in the last `new_text` characters."""
     longest = max(len(s) for s in req.params.stop)
-    search_from = max(0, len(req.text) - delta_len - longest + 1)
+    search_from = max(0, len(req.text) - new_text - longest + 1)
     hits = [(i, s) for s in req.params.stop if (i := req.text.find(s, search_from)) >= 0]
     if not hits:
-        return False
+        return
     i, s = min(hits)
-    req.text = req.text[:i]
+    req.text = req.text[:i + len(s) if req.params.include_stop_str_in_output else i]
     req.finish_reason, req.stop_reason = "stop", s
-    return True
 
 
 def take_text_delta(req: Request) -> str:
-    """Text not yet streamed (a stop string cut never un-streams text already sent)."""
-    delta = req.text[req.streamed_len:]
-    req.streamed_len = max(req.streamed_len, len(req.text))
+    """Text not yet streamed. While a request runs, the longest end of its text that could be
+    the start of a stop string is held back (at most len(stop) - 1 characters): a cut at that
+    stop string would otherwise take back text already streamed. So the deltas of a request
+    always join to its final text."""
+    end = len(req.text)
+    if req.finish_reason is None and req.params.stop:
+        end -= _stop_string_prefix_at_end(req.text, req.params.stop)
+    if end <= req.streamed_len:
+        return ""
+    delta = req.text[req.streamed_len:end]
+    req.streamed_len = end
     return delta
+
+
+def _stop_string_prefix_at_end(text: str, stops: list[str]) -> int:
+    """The longest m such that text ends with stop[:m] for some stop, m < len(stop)."""
+    longest = 0
+    for stop in stops:
+        for m in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:m]):
+                longest = m
+                break
+    return longest
 
 
 def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOutput:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .gdn import recurrent_gated_delta_rule
 from .norm import rms_norm
 from .rope import apply_partial_rope
+from .slot_pool import DecodeRows
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -35,8 +36,8 @@ def recurrent_gated_delta_rule_fused_gating(q: torch.Tensor, k: torch.Tensor, v:
                                             a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                                             dt_bias: torch.Tensor, state_pool: torch.Tensor,
                                             read_slots: torch.Tensor, write_slots: torch.Tensor,
-                                            scale: float | None = None, use_qk_l2norm: bool = True
-                                            ) -> torch.Tensor:
+                                            scale: float | None = None, use_qk_l2norm: bool = True,
+                                            rows: DecodeRows | None = None) -> torch.Tensor:
     """recurrent_gated_delta_rule with the gates computed from the raw projections, in fp32:
     g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
 
@@ -45,4 +46,4 @@ def recurrent_gated_delta_rule_fused_gating(q: torch.Tensor, k: torch.Tensor, v:
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     beta = torch.sigmoid(b.float())
     return recurrent_gated_delta_rule(q, k, v, g, beta, state_pool, read_slots, write_slots,
-                                      scale, use_qk_l2norm)
+                                      scale, use_qk_l2norm, rows)

@@ -1,35 +1,59 @@
-"""Scatter into a state pool indexed by slot (GDN states, conv windows)."""
+"""Scatter into a state pool indexed by slot (GDN states, conv windows), and what the slot-pool
+kernels of a decode step need to know about its slots.
+
+A decode or verify step's rows read one slot each and write one slot per token. Whether any
+slot is padding, whether rows may run in parallel and whether each row writes back to the slot
+it read decide which form a kernel takes; the caller knows these from the slot lists it packed
+and passes them as `DecodeRows`, so no kernel reads slots back to the host.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-
-def slots_valid(slots: torch.Tensor) -> bool:
-    """True when no slot is negative (no padding). slots: [M] or [B, T]. Decode-sized tensors
-    are read back as Python ints, which dispatches no op; large ones (a prefill's KV slots)
-    are reduced first. Under torch.compile nothing is read back: traced steps must carry no
-    padding (hybrid_engine/compiled_steps.py compiles only unpadded decode and verify steps)."""
-    if torch.compiler.is_compiling():
-        return True
-    if slots.numel() > 64:
-        return int(slots.min()) >= 0
-    values = slots.tolist()
-    if slots.dim() > 1:
-        values = [v for row in values for v in row]
-    return min(values, default=0) >= 0
+from .cpu.gdn_recurrent import rows_independent
 
 
-def scatter_to_slots(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
-                     valid: bool | None = None) -> None:
+@dataclass(frozen=True)
+class DecodeRows:
+    """writes_valid: no write slot is negative (no padding rows). independent: no read slot is
+    negative or read by two rows, and no row writes a slot another row reads (rows may run in
+    parallel). in_place: one token per row, written back to the slot it read. read_ids: the read
+    slots as host ints, for forms that update each row's state where it lives; None where the
+    caller does not hand them down (compiled graphs would guard on every value)."""
+
+    writes_valid: bool
+    independent: bool
+    in_place: bool
+    read_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_lists(cls, read: Sequence[int], write: Sequence[Sequence[int]]) -> DecodeRows:
+        """From the host lists a caller packed: read[b], write[b][t]."""
+        return cls(writes_valid=all(s >= 0 for row in write for s in row),
+                   independent=rows_independent(read, write),
+                   in_place=all(len(row) == 1 and row[0] == r for r, row in zip(read, write)),
+                   read_ids=tuple(read))
+
+    @classmethod
+    def of_tensors(cls, read_slots: torch.Tensor, write_slots: torch.Tensor) -> DecodeRows:
+        """Read back from the slot tensors, for callers that hold no host lists (tests,
+        benchmarks; the engine's steps never need it)."""
+        return cls.of_lists(read_slots.tolist(), write_slots.tolist())
+
+    def without_ids(self) -> DecodeRows:
+        return DecodeRows(self.writes_valid, self.independent, self.in_place)
+
+
+def scatter_to_slots(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, valid: bool) -> None:
     """pool[slots[i]] = values[i] in place, skipping entries whose slot is negative (padding).
 
-    pool: [S, ...]; slots: [M] int64; values: [M, ...] (cast to pool.dtype). valid: the caller's
-    slots_valid(slots) (or of a tensor that holds them), saving the check when it writes from
-    one slot tensor several times; None: checked here.
+    pool: [S, ...]; slots: [M] int64; values: [M, ...] (cast to pool.dtype). valid: the caller
+    knows no slot is negative (DecodeRows.writes_valid).
     """
-    if valid is None:
-        valid = slots_valid(slots)
     if values.dtype != pool.dtype:
         values = values.to(pool.dtype)
     if valid:

@@ -41,8 +41,9 @@ class GatedAttention(nn.Module):
         q, k = qk_norm_rope(q, k.view(t, self.num_kv_heads, self.head_dim), self.q_norm.weight,
                             self.k_norm.weight, self.eps, *rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, kv_cache, batch.slot_mapping)
-        o = paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale)
+        write_kv_cache(k, v, kv_cache, batch.slot_mapping, batch.attention.slots_valid)
+        o = paged_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens, self.scale,
+                            batch.attention)
         # The gate is per head and per dim, in the same (head, dim) order as the output.
         o = o * torch.sigmoid(gate)
         return linear(o.reshape(t, -1), self.o_proj.weight)

@@ -5,6 +5,10 @@ sequences are prefill segments of any length (a whole prompt or one chunk of it)
 remaining ones are decode segments of exactly `decode_len` tokens each (1 for plain decode,
 k+1 when verifying k drafts). GDN layers send the two groups to different kernels: chunked
 varlen for prefill, the recurrent pool kernel for decode (never padded into chunks).
+
+The last three fields are the step's facts that every layer of one kind would otherwise derive
+again (or read back from the device): built once by the engine from the host-side lists it
+packed the step from, and handed to the kernels as arguments.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from hybrid_engine.kernels.attention import AttentionLayout
+from hybrid_engine.kernels.gdn.chunk import ChunkLayout
+from hybrid_engine.kernels.slot_pool import DecodeRows
 
 
 @dataclass
@@ -29,7 +37,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # [M] int64, token rows whose logits are needed
     num_prefills: int
     num_prefill_tokens: int
-    decode_len: int = 1
+    decode_len: int
+    attention: AttentionLayout       # key positions and masks, shared by every attention layer
+    decode_rows: DecodeRows | None   # the decode segments' GDN slot facts (None: no decodes)
+    chunks: ChunkLayout | None       # the prefill segments' GDN chunk layout (None: no prefills)
 
     @property
     def num_decodes(self) -> int:

@@ -8,6 +8,7 @@ config classes (QWEN35_REFERENCE.md §1), not any one checkpoint.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,11 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 
 
-class ConfigError(ValueError):
+class CheckpointError(ValueError):
+    """A model folder the engine cannot load: its config.json or its weights."""
+
+
+class ConfigError(CheckpointError):
     """A config.json the engine cannot serve."""
 
 
@@ -92,14 +97,31 @@ class ModelConfig:
         return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
 
 
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [int(x)]
+def _int(key: str, value, minimum: int) -> int:
+    # bool is an int in Python, but `true` as a head count is a broken config.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _real(key: str, value, allowed: str, ok) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _token_ids(key: str, value, vocab_size: int) -> list[int]:
+    ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ConfigError(f"{key} must be a token id or a list of token ids in [0, {vocab_size}), "
+                              f"got {value!r}")
+    return ids
 
 
 def parse_config(raw: dict) -> ModelConfig:
-    """Turn a config.json dict into a ModelConfig, or raise ConfigError naming the problem."""
+    """Turn a config.json dict into a ModelConfig, or raise ConfigError naming the key, its
+    value and what is allowed."""
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -133,74 +155,98 @@ def parse_config(raw: dict) -> ModelConfig:
             return raw[key]
         return defaults.get(key, default)
 
-    try:
-        n_layers = int(get("num_hidden_layers"))
-        layer_types = get("layer_types")
-        if layer_types is None:
-            interval = int(get("full_attention_interval", 4))
-            layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
-        layer_types = list(layer_types)
-        if len(layer_types) != n_layers or any(t not in (LINEAR, FULL) for t in layer_types):
-            raise ConfigError(
-                f"layer_types must list {n_layers} entries of {LINEAR!r}/{FULL!r}, got {layer_types!r}"
-            )
-        rope = dict(get("rope_parameters") or get("rope_scaling") or {})
-        rope_theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
-        partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ConfigError(f"unsupported rope_type {rope_type!r} (only 'default' is implemented)")
-        # A VLM wrapper's own (top-level) key decides tying, as in transformers: save_pretrained of a
-        # tied Qwen3_5ForConditionalGeneration writes top-level true but text_config false.
-        if is_vlm and raw.get("tie_word_embeddings") is not None:
-            tie = raw["tie_word_embeddings"]
-        else:
-            tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        eos = text.get("eos_token_id")
-        eos = _as_list(eos if eos is not None else raw.get("eos_token_id"))
-        cfg = ModelConfig(
-            family=family,
-            vocab_size=int(get("vocab_size")),
-            hidden_size=int(get("hidden_size")),
-            num_hidden_layers=n_layers,
-            layer_types=layer_types,
-            num_attention_heads=int(get("num_attention_heads")),
-            num_key_value_heads=int(get("num_key_value_heads")),
-            head_dim=int(get("head_dim", 256)),
-            rope_theta=rope_theta,
-            partial_rotary_factor=partial,
-            linear_num_key_heads=int(get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(get("linear_num_value_heads")),
-            linear_key_head_dim=int(get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(get("linear_value_head_dim", 128)),
-            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-            intermediate_size=int(get("intermediate_size") or 0),
-            num_experts=int(get("num_experts", 0) or 0),
-            num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
-            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True,
-            decoder_sparse_step=int(get("decoder_sparse_step", 1) or 1),
-            mlp_only_layers=[int(i) for i in (get("mlp_only_layers") or [])],
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(tie),
-            max_position_embeddings=int(get("max_position_embeddings", 32768)),
-            mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
-            eos_token_id=eos,
-            torch_dtype=get("torch_dtype") or get("dtype"),
-            is_vlm_wrapper=is_vlm,
+    def count(key, default=None, minimum=1) -> int:
+        value = get(key, default)
+        return 0 if value is None and minimum == 0 else _int(key, value, minimum)
+
+    n_layers = count("num_hidden_layers")
+    layer_types = get("layer_types")
+    if layer_types is None:
+        interval = count("full_attention_interval", 4)
+        layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
+    if (not isinstance(layer_types, list) or len(layer_types) != n_layers
+            or any(t not in (LINEAR, FULL) for t in layer_types)):
+        raise ConfigError(
+            f"layer_types must list {n_layers} entries of {LINEAR!r}/{FULL!r}, got {layer_types!r}"
         )
-    except (TypeError, KeyError) as e:  # a key present with a value of the wrong kind
-        raise ConfigError(f"malformed config.json: {e}") from e
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
+    rope_theta = _real("rope_theta", rope.get("rope_theta", get("rope_theta", 10000.0)), "a number > 0",
+                       lambda v: v > 0)
+    partial = _real("partial_rotary_factor", rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)),
+                    "a number in (0, 1]", lambda v: 0 < v <= 1)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r} (only 'default' is implemented)")
+    # A VLM wrapper's own (top-level) key decides tying, as in transformers: save_pretrained of a
+    # tied Qwen3_5ForConditionalGeneration writes top-level true but text_config false.
+    if is_vlm and raw.get("tie_word_embeddings") is not None:
+        tie = raw["tie_word_embeddings"]
+    else:
+        tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    if not isinstance(tie, bool):
+        raise ConfigError(f"tie_word_embeddings must be true or false, got {tie!r}")
+    vocab_size = count("vocab_size")
+    eos = text.get("eos_token_id")
+    eos = _token_ids("eos_token_id", eos if eos is not None else raw.get("eos_token_id"), vocab_size)
+    torch_dtype = get("torch_dtype") or get("dtype")
+    if torch_dtype is not None and not isinstance(torch_dtype, str):
+        raise ConfigError(f"torch_dtype must be a str such as 'bfloat16', got {torch_dtype!r}")
+    num_experts = count("num_experts", 0, minimum=0)
+    moe = num_experts > 0
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=vocab_size,
+        hidden_size=count("hidden_size"),
+        num_hidden_layers=n_layers,
+        layer_types=layer_types,
+        num_attention_heads=count("num_attention_heads"),
+        num_key_value_heads=count("num_key_value_heads"),
+        head_dim=count("head_dim", 256),
+        rope_theta=rope_theta,
+        partial_rotary_factor=partial,
+        linear_num_key_heads=count("linear_num_key_heads", 16),
+        linear_num_value_heads=count("linear_num_value_heads"),
+        linear_key_head_dim=count("linear_key_head_dim", 128),
+        linear_value_head_dim=count("linear_value_head_dim", 128),
+        # The conv window keeps K-1 past inputs; K = 1 would keep none.
+        linear_conv_kernel_dim=count("linear_conv_kernel_dim", 4, minimum=2),
+        intermediate_size=count("intermediate_size", 0, minimum=1 if family == "qwen3_5" else 0),
+        num_experts=num_experts,
+        num_experts_per_tok=count("num_experts_per_tok", 0, minimum=1 if moe else 0),
+        moe_intermediate_size=count("moe_intermediate_size", 0, minimum=1 if moe else 0),
+        shared_expert_intermediate_size=count("shared_expert_intermediate_size", 0, minimum=0),
+        norm_topk_prob=bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True,
+        decoder_sparse_step=count("decoder_sparse_step", 1),
+        mlp_only_layers=_mlp_only_layers(get("mlp_only_layers"), n_layers),
+        rms_norm_eps=_real("rms_norm_eps", get("rms_norm_eps", 1e-6), "a number > 0", lambda v: v > 0),
+        tie_word_embeddings=tie,
+        # A request holds its prompt and at least one generated token.
+        max_position_embeddings=count("max_position_embeddings", 32768, minimum=2),
+        mtp_num_hidden_layers=count("mtp_num_hidden_layers", 0, minimum=0),
+        eos_token_id=eos,
+        torch_dtype=torch_dtype,
+        is_vlm_wrapper=is_vlm,
+    )
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ConfigError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) must be <= num_experts "
+                          f"({cfg.num_experts})")
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-    if cfg.rotary_dim % 2:
-        raise ConfigError(f"rotary dim {cfg.rotary_dim} (head_dim * partial_rotary_factor) must be even")
-    if family == "qwen3_5" and cfg.intermediate_size <= 0:
-        raise ConfigError("intermediate_size must be positive for a dense model")
+    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        raise ConfigError(f"rotary dim {cfg.rotary_dim} (head_dim * partial_rotary_factor) must be even and >= 2")
     return cfg
+
+
+def _mlp_only_layers(value, n_layers: int) -> list[int]:
+    layers = value or []
+    if not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int)
+                                           or not 0 <= i < n_layers for i in layers):
+        raise ConfigError(f"mlp_only_layers must be a list of layer indices in [0, {n_layers}), got {value!r}")
+    return layers
 
 
 def load_config(folder: str | Path) -> ModelConfig:
@@ -212,8 +258,11 @@ def load_config(folder: str | Path) -> ModelConfig:
         raise ConfigError(f"no config.json in model folder {folder}")
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
-    return parse_config(raw)
+    try:
+        return parse_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -85,7 +85,8 @@ class GatedDeltaNet(nn.Module):
         init = state_pool[slots]
         init[fresh] = 0
         o, final_state = chunk_gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
-                                                v.reshape(t, self.hv, self.dv), g, beta, cu, init)
+                                                v.reshape(t, self.hv, self.dv), g, beta, cu, init,
+                                                layout=batch.chunks)
         state_pool[slots] = final_state
         return o
 
@@ -94,12 +95,13 @@ class GatedDeltaNet(nn.Module):
         nd, dl = batch.num_decodes, batch.decode_len
         read = batch.state_slots[batch.num_prefills:] if batch.num_prefills else batch.state_slots
         write = batch.state_write_slots
-        u = causal_conv1d_update(mixed.view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write)
+        rows = batch.decode_rows
+        u = causal_conv1d_update(mixed.view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write, rows)
         q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         o = recurrent_gated_delta_rule(
             q.view(nd, dl, self.hk, self.dk), k.view(nd, dl, self.hk, self.dk),
             v.view(nd, dl, self.hv, self.dv), g.view(nd, dl, self.hv), beta.view(nd, dl, self.hv),
-            state_pool, read, write)
+            state_pool, read, write, rows=rows)
         return o.view(nd * dl, self.hv, self.dv)
 
 

@@ -29,21 +29,19 @@ from typing import Iterable, Mapping
 import torch
 from safetensors import safe_open
 
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SKIP_PREFIXES = ("model.visual.", "visual.")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _MAX_LISTED = 5
+# safetensors dtype names of floating tensors: F64, F32, F16, BF16, F8_E4M3, F8_E5M2, ...
+_FLOAT_DTYPES = ("F", "BF")
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _QKVZ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_qkvz\.weight$")
 _BA_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_ba\.weight$")
-
-
-class CheckpointError(ValueError):
-    """A model folder whose weights the engine cannot load."""
 
 
 # ---- dtype ---------------------------------------------------------------------------------------
@@ -140,10 +138,10 @@ def _listing(names: Iterable[str]) -> str:
 class _Source:
     """Where one raw checkpoint tensor lives."""
 
-    __slots__ = ("file", "key", "shape")
+    __slots__ = ("file", "key", "shape", "dtype")
 
-    def __init__(self, file: Path, key: str, shape: tuple[int, ...]):
-        self.file, self.key, self.shape = file, key, shape
+    def __init__(self, file: Path, key: str, shape: tuple[int, ...], dtype: str):
+        self.file, self.key, self.shape, self.dtype = file, key, shape, dtype
 
 
 def _check_shape(what: str, found: tuple[int, ...], want: tuple[int, ...], file: Path | None = None):
@@ -187,12 +185,12 @@ def load_weights(
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    shape = tuple(f.get_slice(key).get_shape())
+                    header = f.get_slice(key)
                     if key in raw:
                         raise CheckpointError(
                             f"tensor {key} appears in both {raw[key].file.name} and {path.name}"
                         )
-                    raw[key] = _Source(path, key, shape)
+                    raw[key] = _Source(path, key, tuple(header.get_shape()), header.get_dtype())
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types (and OSError) on bad files
@@ -290,7 +288,12 @@ def load_weights(
             f"checkpoint in {folder} has {len(shown)} unexpected tensor(s): {_listing(shown)}"
         )
 
-    # 4. shape checks against headers, before any data is read
+    # 4. dtype and shape checks against headers, before any data is read
+    for src in raw.values():
+        # Every tensor the model has is floating point; an int or bool one is a broken export.
+        if map_name(src.key) is not None and not src.dtype.startswith(_FLOAT_DTYPES):
+            raise CheckpointError(f"tensor {src.key} in {src.file.name} is stored as {src.dtype}; "
+                                  "weights must be floating point (F32, BF16, F16, ...)")
     for name, want in wanted.items():
         kind, arg = provided[name]
         if kind == "direct":
@@ -343,7 +346,19 @@ def load_weights(
                 out[f"{arg}.in_proj_b.weight"], out[f"{arg}.in_proj_a.weight"] = cast(b), cast(a)
     finally:
         handles.clear()
+    for name in wanted:
+        _check_finite(out[name], name_in_file(name), dtype)
     return {k: out[k] for k in wanted}
+
+
+def _check_finite(t: torch.Tensor, what: str, dtype: torch.dtype) -> None:
+    """NaN or Inf weights would give NaN logits and token 0 forever; one pass over the loaded
+    tensors (in slices, so no bool copy of a whole embedding) is cheap next to reading them."""
+    flat = t.reshape(-1)
+    bad = sum(int((~torch.isfinite(part)).sum()) for part in flat.split(1 << 24))
+    if bad:
+        raise CheckpointError(f"tensor {what} holds {bad} NaN or Inf value(s) of {flat.numel()} once "
+                              f"loaded as {str(dtype).removeprefix('torch.')}")
 
 
 # ---- conversions ---------------------------------------------------------------------------------

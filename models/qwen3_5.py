@@ -15,8 +15,9 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import (add_few_rows_twin, add_plain_few_rows_twin, can_pack, linear, pack_weight, pack_weights,
-                     worth_blocking)
+from hybrid_engine.kernels.cpu.projection import PlainProjection, Projection, choose_projection
+
+from .linear import linear, prepare_projections
 from .mlp import make_mlp
 from .mtp import MTPHead
 
@@ -36,7 +37,8 @@ class HybridForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # The MTP layer's KV pool comes right after the main model's attention pools.
         self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL]) if with_mtp else None
-        self.packed_lm_head: torch.Tensor | None = None
+        # lm_head's projection (kernels/cpu/projection.py), chosen by pack_weights
+        self.lm_head_projection: Projection | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -46,9 +48,8 @@ class HybridForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens.weight.is_meta:      # tied and blocked: rows from lm_head's blocks
-            head = self.packed_lm_head
-            return head[token_ids // head.shape[-1], :, token_ids % head.shape[-1]]
+        if self.embed_tokens.weight.is_meta:      # tied, and lm_head's projection holds the table
+            return self.lm_head_projection.rows(token_ids)
         return self.embed_tokens(token_ids)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -78,52 +79,47 @@ class HybridForCausalLM(nn.Module):
         return self.mtp(embeds, hidden.to(embeds.dtype), batch, caches, rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight() if self.packed_lm_head is None else self.packed_lm_head
+        weight = self.lm_head_weight() if self.lm_head_projection is None else self.lm_head_projection
         return linear(hidden, weight)
 
     def pack_weights(self, onednn: bool = True, few_rows_copy: bool = True) -> None:
-        """Puts the projection weights in the layout their products run fastest from where that
-        pays (models/linear.py: CPU; float32 blocked for the native kernel, bfloat16 / float16
-        reordered for oneDNN unless onednn=False, with a blocked copy for few rows unless
-        few_rows_copy=False; a no-op otherwise). Inference only: afterwards
-        state_dict holds blocked, opaque or meta tensors. lm_head gets a packed copy; a oneDNN one
-        sits beside the plain weight (a tied embedding lookup needs the plain table: vocab x
-        hidden more memory, for the largest matmul of every step), a blocked one replaces it."""
+        """Gives each projection the layout kernels/cpu chooses for it (kernels/cpu/projection.py;
+        onednn and few_rows_copy as `choose_projection` takes them; on CPU only). Inference only:
+        afterwards state_dict lacks the replaced weights. lm_head gets a projection of its own;
+        where it holds the weights in a layout of its own (`replaces_weight`), the plain weight
+        is freed and a tied embedding reads its rows from the projection, otherwise the plain
+        table stays (a tied embedding lookup needs it: vocab x hidden more memory, for the
+        largest matmul of every step)."""
+        replaced = False
         for module in self.modules():
-            pack_weights(module, getattr(module, "PACKED_WEIGHTS", []), onednn, few_rows_copy)
-        weight = self.lm_head_weight()
-        if self.packed_lm_head is None and few_rows_copy:
-            add_plain_few_rows_twin(weight, onednn)
-        if self.packed_lm_head is None and can_pack(weight, onednn):
-            self.packed_lm_head = pack_weight(weight)
-            if few_rows_copy:
-                add_few_rows_twin(self.packed_lm_head, weight)
-            if self.packed_lm_head.dim() == 3:
-                # Blocked rows are still rows: a tied embedding gathers from the blocks (a few
-                # strided reads per token; `embed`), so the plain table is freed, not kept.
+            replaced |= prepare_projections(module, getattr(module, "PACKED_WEIGHTS", []), onednn, few_rows_copy)
+        if self.lm_head_projection is None:
+            weight = self.lm_head_weight()
+            projection = choose_projection(weight, onednn, few_rows_copy)
+            if not isinstance(projection, PlainProjection):
+                self.lm_head_projection = projection
+                replaced = True
+            if projection.replaces_weight:
                 owner = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
                 owner.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
                                             requires_grad=False)
-        _unpin_shared_storages(self)
+        if replaced:
+            _unpin_shared_storages(self)
 
 
 def _unpin_shared_storages(model: nn.Module) -> None:
-    """Gives each plain tensor left after packing (norms, conv taps, gate biases, small
-    projections) memory of its own. Tensors read from a safetensors file hold on to its memory
-    map, so any one of them keeps the whole file resident once the projections have been copied
-    into packed layouts (float32 0.8B: 3 GB more resident memory). Nothing to do when nothing
-    was packed: then the file's pages are the weights."""
+    """Gives each tensor left after preparing the projections (norms, conv taps, gate biases,
+    small projections, experts) memory of its own. Tensors read from a safetensors file hold on
+    to its memory map, so any one of them keeps the whole file resident once the projections
+    have been copied into layouts of their own (float32 0.8B: 3 GB more resident memory).
+    (Called only when some were: otherwise the file's pages are the weights.)"""
     tensors = [(m, n, t) for m in model.modules()
                for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
                if not t.is_meta]
-    if model.packed_lm_head is None and not any(t.is_mkldnn for _, _, t in tensors):
-        return
     for module, name, t in tensors:
-        if t.is_mkldnn or (t.dim() > 2 and worth_blocking(t)):
-            continue                                # packed or blocked (copies already), or experts
+        if t.dim() > 2 and t.numel() * t.element_size() >= 1 << 20:
+            continue                                # experts: left on the file's pages
         copy = t.detach().clone()
-        if hasattr(t, "few_rows"):
-            copy.few_rows = t.few_rows              # a plain bf16 weight's blocked copy (linear.py)
         if isinstance(t, nn.Parameter):
             setattr(module, name, nn.Parameter(copy, requires_grad=t.requires_grad))
         else:

@@ -15,11 +15,15 @@ next catch-up, which keeps the MTP KV consistent after rejections.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_engine.models import ForwardBatch, HybridForCausalLM
-from hybrid_engine.state_cache import HybridCacheManager, kv_slots
+from hybrid_engine.state_cache import HybridCacheManager
+
+if TYPE_CHECKING:
+    from hybrid_engine.step_inputs import StepInputBuilder
 
 
 @dataclass
@@ -33,18 +37,16 @@ class CatchUp:
 
 class MTPDrafter:
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager, num_speculative_tokens: int,
-                 block_size: int, compiled=None):
+                 builder: StepInputBuilder, compiled=None):
         if model.mtp is None:
             raise ValueError("speculative decoding with method 'mtp' needs a checkpoint with mtp.* "
                              "weights; this one has none")
         self.model = model
         self.cache = cache
         self.k = num_speculative_tokens
-        self.block_size = block_size
+        self.builder = builder          # packs the passes into the step inputs' buffers
         self.compiled = compiled        # hybrid_engine.compiled_steps.CompiledSteps or None
         self.device = model.norm.weight.device
-        self._no_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._no_flags = torch.zeros(0, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
     def run(self, catchups: list[CatchUp]) -> dict[str, list[int]]:
@@ -94,29 +96,8 @@ class MTPDrafter:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _batch(self, segs: list[tuple[str, int, int]]) -> ForwardBatch:
-        """Metadata for the MTP layer (full attention only: the GDN fields stay empty), built as
-        Python lists and converted with one tensor call per field."""
-        bs = self.block_size
-        positions, slots, cu, seq_lens, tables = [], [], [0], [], []
-        for rid, start, n in segs:
-            table = self.cache.get(rid).block_table
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(kv_slots(table, start, start + n, bs))
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(table[:(start + n + bs - 1) // bs])        # the blocks attention reads
-        width = max(len(t) for t in tables)
-        padded = [b for t in tables for b in t + [0] * (width - len(t))]
-        # One host-to-tensor copy for all five fields (each conversion costs more than a view).
-        fields = self._tensor(positions + cu + seq_lens + slots + padded).split(
-            [len(positions), len(cu), len(seq_lens), len(slots), len(padded)])
-        return ForwardBatch(
-            positions=fields[0], cu_seqlens=fields[1], seq_lens=fields[2], slot_mapping=fields[3],
-            block_tables=fields[4].view(len(tables), width),
-            state_slots=self._no_slots, has_initial_state=self._no_flags,
-            state_write_slots=self._no_slots.view(0, 1), logits_indices=self._no_slots,
-            num_prefills=len(segs), num_prefill_tokens=cu[-1])
+        """The pass's metadata, packed by the step-input builder into its own buffers."""
+        return self.builder.build_mtp([(start, n, self.cache.get(rid).block_table) for rid, start, n in segs])
 
 
 def segs_end_rows(segs: list[tuple[str, int, int]]) -> list[int]:

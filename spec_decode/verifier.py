@@ -3,11 +3,15 @@
 Greedy: accept the longest prefix of drafts equal to the target's argmax, then emit the
 target's token at the first mismatch (or after the last draft). Sampling: sample every
 position j with the request's full sampler chain (penalties, min_tokens bans, top-k/p,
-min-p, its generator) and the history it has if drafts 1..j are accepted (output + d1..dj),
-and accept while the sample equals the draft. A position is only used when every earlier
-draft was accepted, i.e. when that history is the true one, so each emitted token is a draw
-from exactly the distribution the non-speculative path would use: lossless for any sampler
-(the rule llama.cpp uses). All positions of all requests go through one sampler call.
+min-p) and the history it has if drafts 1..j are accepted (output + d1..dj), and accept
+while the sample equals the draft. A position is only used when every earlier draft was
+accepted, i.e. when that history is the true one, so each emitted token is a draw from
+exactly the distribution the non-speculative path would use: lossless for any sampler (the
+rule llama.cpp uses). All positions of all requests go through one sampler call.
+
+The draw at output position p uses the uniform keyed by (seed, p) (hybrid_engine/sampler.py),
+the one a plain decode of that position uses too: a seeded speculative run emits, token for
+token, the seeded non-speculative output, for any k.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ weights without mtp.* and without a tokenizer ("plain": token-id prompts, no spe
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -70,6 +71,30 @@ def test_generate_from_jsonl_file_with_sampling_flags(models):
     assert [rec["prompt"] for rec in records] == ["the model state", "cache and layer"]
     for rec in records:
         assert 1 <= len(rec["token_ids"]) <= 6 and rec["finish_reason"] in ("stop", "length")
+
+
+def test_jsonl_lines_set_their_own_sampling_fields(models):
+    prompts = models["root"] / "per_line.jsonl"
+    prompts.write_text('{"prompt": "the model state", "max_tokens": 3}\n'
+                       '{"prompt": "cache and layer", "max_tokens": 7, "temperature": 0.7, "seed": 1}\n')
+    r = ok(cli("generate", "--model", models["spec"], "--file", prompts, "--json", "--max-tokens", "5",
+               "--ignore-eos", "--dtype", "float32"))
+    assert [len(json.loads(line)["token_ids"]) for line in r.stdout.splitlines()] == [3, 7]
+
+
+def test_ctrl_c_during_start_up_is_a_clean_interrupt(models):
+    """SIGINT while torch is being imported (its libraries are mapping): "interrupted", exit 130
+    (or the SIGINT status), no traceback, never a run that goes on as if nothing happened."""
+    proc = subprocess.Popen(command("generate", "--model", models["spec"], "the model", "--max-tokens", "500",
+                                    "--ignore-eos"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    maps = f"/proc/{proc.pid}/maps"
+    while proc.poll() is None and "libtorch" not in open(maps).read():
+        pass
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (130, -signal.SIGINT), err
+    assert "interrupted" in err and "Traceback" not in err
 
 
 def test_generate_token_ids_from_stdin_without_tokenizer(models):
@@ -158,6 +183,14 @@ def test_inspect_verify_rewind_passes(models):
 def test_command_line_errors_are_one_line_and_exit_2(models):
     root = models["root"]
     (root / "not_a_snapshot.safetensors").write_text("hello")
+    bad_jsonl = root / "bad.jsonl"
+    bad_jsonl.write_text('{"prompt": "a"}\n{"prompt": "b", "max_token": 3}\n')
+    bad_value_jsonl = root / "bad_value.jsonl"
+    bad_value_jsonl.write_text('{"prompt": "a", "top_p": 2}\n')
+    bad_config = root / "bad_config"
+    shutil.copytree(models["plain"], bad_config)
+    cfg = json.loads((bad_config / "config.json").read_text())
+    (bad_config / "config.json").write_text(json.dumps(dict(cfg, num_key_value_heads=0)))
     cases = {
         "missing model folder": (["generate", "--model", root / "nope", "hi"], "model folder not found"),
         "bad flag value": (["generate", "--model", models["spec"], "hi", "--top-p", "1.5"], "--top-p"),
@@ -166,6 +199,15 @@ def test_command_line_errors_are_one_line_and_exit_2(models):
                                  root / "not_a_snapshot.safetensors"], "cannot read snapshot"),
         "no MTP head": (["generate", "--model", models["plain"], "1 2", "--speculative-tokens", "2"], "mtp"),
         "bad prompt": (["generate", "--model", models["plain"], "hello"], "prompt 0"),
+        "snapshot folder missing": (["inspect", "--model", models["plain"], "--step", "1", "--snapshot",
+                                     root / "missing" / "x.safetensors"], "does not exist"),
+        "unknown JSONL field": (["generate", "--model", models["spec"], "--file", bad_jsonl],
+                                "line 2: unknown field(s) 'max_token'"),
+        "bad JSONL sampling field": (["generate", "--model", models["spec"], "--file", bad_value_jsonl],
+                                     "prompt 0 of --file: top_p must be in (0, 1]"),
+        "bad config value": (["generate", "--model", bad_config, "1 2"], "num_key_value_heads must be an int >= 1"),
+        "no CUDA or bad device": (["generate", "--model", models["plain"], "1 2", "--device", "tpu9"],
+                                  "not a torch device"),
     }
     # Independent processes: run them together.
     procs = {name: subprocess.Popen(command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

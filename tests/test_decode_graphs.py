@@ -27,9 +27,8 @@ def _engine(ckpt, k, graphs: bool):
     engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", max_num_seqs=6, block_size=4,
                                     max_num_batched_tokens=64, speculative_config=spec))
     if graphs:
-        max_blocks = engine.builder.block_tables.shape[1]
         engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
-            engine.model, engine.cache, [1, 1 + k], BUCKETS, max_blocks, "cpu", capture=False))
+            engine.model, engine.cache, engine.builder, [1, 1 + k], BUCKETS, capture=False))
     return engine
 
 

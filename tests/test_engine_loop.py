@@ -176,3 +176,21 @@ def test_shutdown_aborts_what_runs(ckpt):
     assert list(outputs)[-1].finish_reason == "abort"
     with pytest.raises(RuntimeError, match="shut down"):
         loop.submit([1], greedy(1))
+
+
+def test_llm_seed_makes_unseeded_samples_reproducible(ckpt):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8], [4, 4, 4, 4]]
+
+    def run(seed):
+        llm = LLM(model=str(ckpt), dtype="float32", seed=seed)
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
+    assert params.seed is None                        # the caller's params are left as given
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
+    a = LLM(model=str(ckpt), dtype="float32", seed=0).generate([1, 2, 3], seeded, use_tqdm=False)[0]
+    b = LLM(model=str(ckpt), dtype="float32", seed=1).generate([1, 2, 3], seeded, use_tqdm=False)[0]
+    assert a.token_ids == b.token_ids                 # a request's own seed wins

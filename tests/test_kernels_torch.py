@@ -21,7 +21,9 @@ from hybrid_engine.kernels import (
     rope_cos_sin,
     write_kv_cache,
 )
+from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
 from hybrid_engine.kernels.gdn import recurrent as recurrent_module
+from hybrid_engine.kernels.slot_pool import DecodeRows
 
 from kernel_cases import gdn_inputs, make_cu, paged_kv_case
 
@@ -116,8 +118,11 @@ def test_recurrent_pool_matches_naive(read, write, path, monkeypatch):
     q, k, v, g, beta, pool = _recurrent_case(B, T, seed=5)
     before = pool.clone()
 
-    op = traced(recurrent_gated_delta_rule) if path == "traced" else recurrent_gated_delta_rule
-    o = op(q, k, v, g, beta, pool, read, write)
+    if path == "traced":     # with the step's rows, as compiled steps get them: no read-back
+        o = traced(recurrent_gated_delta_rule)(q, k, v, g, beta, pool, read, write,
+                                               rows=DecodeRows.of_tensors(read, write).without_ids())
+    else:
+        o = recurrent_gated_delta_rule(q, k, v, g, beta, pool, read, write)
 
     assert o.shape == v.shape
     for b in range(B):
@@ -328,10 +333,12 @@ def test_paged_attention_mixed_batch_matches_dense(block_size):
 
 @pytest.mark.parametrize("block_size, qlen, n", [(1, 1, 4), (16, 1, 4), (16, 3, 4), (16, 1, 1), (4, 2, 1)])
 def test_paged_attention_traced_path_matches_dense(block_size, qlen, n):
-    """Under torch.compile keys are gathered over the block table's whole width and masked by
-    length (no read-back of the lengths); the table's tails hold -1 and the cache NaN."""
+    """Under torch.compile, given the step's layout, nothing is read back; keys are gathered
+    over the block table's whole width and masked by length; the table's tails hold -1 and
+    the cache NaN."""
     q, kv_cache, bt, cu, seq_lens, keys, values = _paged_setup(block_size, [0, 20, 47, 5][:n], [qlen] * n, seed=22)
-    o = traced(paged_attention)(q, kv_cache, bt, cu, seq_lens, 0.3)
+    layout = attention_layout(bt, seq_lens, [qlen] * n, block_size, slots_valid=True)
+    o = traced(paged_attention)(q, kv_cache, bt, cu, seq_lens, 0.3, layout)
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
 
 
@@ -346,6 +353,35 @@ def test_paged_attention_batched_path_matches_per_sequence(block_size, qlen):
         o_n = paged_attention(q[s], kv_cache, bt[n:n + 1], make_cu([qlen]), seq_lens[n:n + 1], scale=0.3)
         torch.testing.assert_close(o[s], o_n, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, cached, new", [
+    (16, [37], [1]),                                  # batch-1 decode
+    (4, [0, 20, 47, 5], [1, 1, 1, 1]),                # decodes
+    (16, [9, 30, 2], [3, 3, 3]),                      # verify, k = 2
+    (16, [20, 0, 33, 10, 47], [5, 7, 1, 1, 3]),       # mixed: chunks, a fresh prefill, decodes, a verify
+])
+def test_paged_attention_matches_the_naive_reference(block_size, cached, new, dtype):
+    """The batched op (one gather per query length, in the cache's dtype, with the step's
+    layout) against the per-sequence float32 reference, on a NaN-filled shuffled cache."""
+    q, kv_cache, bt, cu, seq_lens, _, _ = _paged_setup(block_size, cached, new, seed=23)
+    q, kv_cache = q.to(dtype), kv_cache.to(dtype)
+    layout = attention_layout(bt, seq_lens, new, block_size, slots_valid=True)
+    o = paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, layout)
+    want = naive_paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(o.float(), want.float(), atol=tol, rtol=tol)
+    assert o.dtype == dtype
+
+
+def test_decode_rows_from_lists():
+    plain = DecodeRows.of_lists([4, 0], [[4], [0]])
+    assert (plain.writes_valid, plain.independent, plain.in_place, plain.read_ids) == (True, True, True, (4, 0))
+    verify = DecodeRows.of_lists([4, 0], [[4, 5], [0, -1]])
+    assert (verify.writes_valid, verify.independent, verify.in_place) == (False, True, False)
+    shared = DecodeRows.of_lists([3, 3], [[1], [2]])          # padding rows reading one scratch slot
+    assert not shared.independent and shared.without_ids().read_ids is None
 
 
 def test_write_kv_cache_places_entries_and_skips_padding():

@@ -1,43 +1,81 @@
-"""models/linear.py: every layout `linear` picks computes x W^T."""
+"""kernels/cpu/projection.py and models/linear.py: every layout chosen for a projection, at the
+process's CPU level (run this file with HYBRID_ENGINE_CPU_ISA=avx512|avx2|none too), computes
+x W^T; the native blocked kernel (kernels/cpu/blocked_linear.cpp) against F.linear."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from hybrid_engine.models.linear import linear, pack_weight
+from hybrid_engine.kernels.cpu import blocked as blocked_mod
+from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available
+from hybrid_engine.kernels.cpu import projection as projection_mod
+from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
+from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
+                                                  choose_projection, plain_linear)
+from hybrid_engine.models.linear import linear, prepare_projections
+
+needs_native = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="no oneDNN bf16 packing at this level")
+
+
+@pytest.fixture
+def block_every_size(monkeypatch):
+    monkeypatch.setattr(projection_mod, "BLOCKED_MIN_BYTES", 0)   # (small weights stay plain by default)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 32, 33, 64])
-def test_linear_matches_f_linear_at_every_row_count(rows):
+def test_plain_linear_matches_f_linear_at_every_row_count(rows):
     # 8..32 rows take the transposed float32 product, the others F.linear
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 96, generator=g)
     x = torch.randn(rows, 96, generator=g)
-    out = linear(x, w)
+    out = plain_linear(x, w)
     assert out.shape == (rows, 300) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, w), out, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-def test_packed_bf16_linear_matches_f_linear(rows):
+def expected_layout(dtype: torch.dtype, onednn: bool, few_rows_copy: bool) -> type:
+    """The policy of kernels/cpu/projection.py, spelled out per level for a blockable weight."""
+    if dtype == torch.float32:
+        return BlockedProjection if native_available() else PlainProjection
+    if not onednn_packs(dtype):
+        return BlockedProjection if native_available() and dtype == torch.bfloat16 else PlainProjection
+    if few_rows_copy and dtype == torch.bfloat16 and native_available():
+        return FewRowsSplit
+    return OneDNNProjection if onednn else PlainProjection
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("few_rows_copy", [True, False])
+def test_the_chosen_projection_matches_f_linear_at_this_level(block_every_size, dtype, onednn, few_rows_copy):
+    """bf16 and fp16 work at every level: oneDNN's packing only where torch's check and the
+    level allow it (on AVX2-only CPUs the reorder raises), the blocked kernel or F.linear else."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 96, generator=g).bfloat16()
-    x = torch.randn(rows, 96, generator=g).bfloat16()
-    torch.testing.assert_close(linear(x, pack_weight(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    proj = choose_projection(w, onednn=onednn, few_rows_copy=few_rows_copy)
+    assert type(proj) is expected_layout(dtype, onednn, few_rows_copy)
+    if isinstance(proj, FewRowsSplit):
+        assert type(proj.many) is (OneDNNProjection if onednn else PlainProjection)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 4, 5, 16, 64):
+        x = torch.randn(rows, 80, generator=g).to(dtype)
+        out = proj(x)
+        assert out.dtype == dtype and out.shape == (rows, 96)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_off_the_cpu_or_unblockable_stay_plain(block_every_size, dtype):
+    assert type(choose_projection(torch.randn(20, 24).to(dtype))) in (PlainProjection, OneDNNProjection)
+    assert type(choose_projection(torch.randn(32, 24, device="meta").to(dtype))) is PlainProjection
 
 
 # ---- the native blocked kernel (kernels/cpu/blocked_linear.cpp) -------------------------------
-
-from hybrid_engine.kernels.cpu import blocked as blocked_mod  # noqa: E402
-from hybrid_engine.kernels.cpu.build import cpu_has  # noqa: E402
-from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available  # noqa: E402
-from hybrid_engine.models import linear as linear_mod  # noqa: E402
-from hybrid_engine.models.linear import can_pack, pack_weights  # noqa: E402
-
-needs_native = pytest.mark.skipif(not cpu_has("avx512f"), reason="the kernel needs AVX-512F")
-
 
 @needs_native
 def test_native_kernel_builds_where_the_cpu_can_run_it():
@@ -60,17 +98,14 @@ def test_blocked_float32_matches_f_linear(rows, n):
     torch.testing.assert_close(blocked_linear_reference(x, wb), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-needs_bf16 = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="the bf16 kernel needs AVX512-BF16")
-
-
-@needs_bf16
-@pytest.mark.parametrize("rows", [1, 3, 16, 40])
-@pytest.mark.parametrize("k", [128, 37])                 # odd K: the last pair padded
-def test_blocked_bfloat16_matches_f_linear(rows, k):
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 40])
+@pytest.mark.parametrize("n,k", [(96, 128), (96, 37), (80, 64)])   # odd K: the last pair padded; 5 blocks
+def test_blocked_bfloat16_matches_f_linear(rows, n, k):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
-    assert block_weight(w).shape == (6, (k + 1) // 2, 16, 2)
+    assert block_weight(w).shape == (n // 16, (k + 1) // 2, 16, 2)
     torch.testing.assert_close(blocked_linear_reference(x, block_weight(w)), F.linear(x, w), rtol=2e-2, atol=2e-2)
     out = blocked_linear(x, block_weight(w))
     assert out.dtype == torch.bfloat16
@@ -94,120 +129,178 @@ def test_blocked_linear_keeps_leading_dims_and_checks_its_input():
 @needs_native
 def test_blocked_linear_under_torch_compile():
     g = torch.Generator().manual_seed(2)
-    wb = block_weight(torch.randn(48, 40, generator=g))
-    f = torch.compile(lambda x: torch.relu(linear(x, wb)) * 2, dynamic=True)
+    w = torch.randn(48, 40, generator=g)
+    proj = BlockedProjection(w)
+    f = torch.compile(lambda x: torch.relu(linear(x, proj)) * 2, dynamic=True)
     for rows in (1, 5, 12):
         x = torch.randn(rows, 40, generator=g)
-        torch.testing.assert_close(f(x), torch.relu(blocked_linear_reference(x, wb)) * 2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f(x), torch.relu(F.linear(x, w)) * 2, rtol=1e-5, atol=1e-5)
 
 
 @needs_native
-def test_pack_weights_blocks_float32_and_leaves_odd_shapes(monkeypatch):
-    from torch import nn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_rows_are_the_weights_rows(dtype):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 37, generator=g).to(dtype)
+    ids = torch.tensor([0, 17, 47, 17, 5])
+    torch.testing.assert_close(BlockedProjection(w).rows(ids), w[ids], rtol=0, atol=0)
+
+
+# ---- preparing a model's projections (models/linear.py, models/qwen3_5.py) --------------------
+
+@needs_native
+def test_prepare_projections_blocks_float32_and_leaves_odd_shapes(block_every_size):
     m = nn.Module()
     m.a = nn.Linear(24, 32, bias=False)
-    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)  # (small weights stay plain by default)
     m.b = nn.Linear(24, 20, bias=False)                   # 20 rows: not blockable, stays as is
     x = torch.randn(4, 24)
     want_a, want_b = m.a(x), m.b(x)
-    pack_weights(m, ["a.weight", "b.weight"])
-    assert m.a.weight.shape == (2, 24, 16) and m.b.weight.shape == (20, 24)
-    assert not can_pack(m.b.weight)
+    assert prepare_projections(m, ["a.weight", "b.weight"])
+    assert isinstance(m.a.weight, BlockedProjection) and isinstance(m.b.weight, nn.Parameter)
+    assert "a.weight" not in m.state_dict() and "b.weight" in m.state_dict()
     torch.testing.assert_close(linear(x, m.a.weight), want_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x, m.b.weight), want_b, rtol=1e-5, atol=1e-5)
+    assert not prepare_projections(m, ["a.weight", "b.weight"])    # chosen once
 
 
 def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
     monkeypatch.setattr(blocked_mod, "_library", lambda: None)
-    assert not native_available() and not can_pack(torch.randn(1024, 1024))
+    assert not native_available() and isinstance(choose_projection(torch.randn(1024, 1024)), PlainProjection)
 
 
 @needs_native
 def test_only_weights_of_a_megabyte_or_more_are_blocked():
-    assert can_pack(torch.randn(256, 1024)) and not can_pack(torch.randn(240, 1024))
+    assert isinstance(choose_projection(torch.randn(256, 1024)), BlockedProjection)
+    assert isinstance(choose_projection(torch.randn(240, 1024)), PlainProjection)
 
 
-@needs_native
 @pytest.mark.parametrize("tied", [True, False])
-def test_blocked_lm_head_replaces_the_plain_weight_and_embeds_the_same(monkeypatch, tied):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_lm_head_embeds_and_projects_the_same(block_every_size, tied, dtype):
+    """Where lm_head's projection holds the weights in its own layout the plain weight is freed
+    (no second copy) and a tied embedding reads its rows from the projection."""
     from checkpoints import make_config
 
     from hybrid_engine.models import HybridForCausalLM, parse_config
-    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)
     cfg = parse_config(make_config("qwen3_5", tie_word_embeddings=tied).to_dict())
     torch.manual_seed(0)
-    model = HybridForCausalLM(cfg).eval()
+    model = HybridForCausalLM(cfg).eval().to(dtype)
     ids = torch.tensor([0, 5, 17, cfg.vocab_size - 1, 5])
-    hidden = torch.randn(3, cfg.hidden_size)
-    want_embeds, want_logits = model.embed(ids), model.compute_logits(hidden)
+    hidden = torch.randn(3, cfg.hidden_size).to(dtype)
+    want_embeds, want_logits = model.embed(ids), model.compute_logits(hidden).float()
     model.pack_weights()
-    assert model.packed_lm_head.dim() == 3 and model.lm_head_weight().is_meta   # no second copy
+    proj = model.lm_head_projection
+    if native_available():
+        assert proj is not None
+        assert model.lm_head_weight().is_meta == proj.replaces_weight
     torch.testing.assert_close(model.embed(ids), want_embeds, rtol=0, atol=0)
-    torch.testing.assert_close(model.compute_logits(hidden), want_logits, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(model.compute_logits(hidden).float(), want_logits, rtol=tol, atol=tol)
 
 
-@needs_bf16
+@needs_native
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 4, 5, 16])
-def test_packed_bf16_weight_takes_its_blocked_twin_for_few_rows(monkeypatch, rows):
-    from torch import nn
-    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)
+def test_packed_bf16_weight_takes_its_blocked_copy_for_few_rows(block_every_size, monkeypatch, rows):
     m = nn.Module()
     m.a = nn.Linear(64, 48, bias=False).bfloat16()
     x = torch.randn(rows, 64).bfloat16()
     exact = F.linear(x.float(), m.a.weight.float())
-    pack_weights(m, ["a.weight"])
-    assert m.a.weight.is_mkldnn and m.a.weight.few_rows.shape == (3, 32, 16, 2)
+    prepare_projections(m, ["a.weight"])
+    proj = m.a.weight
+    assert isinstance(proj, FewRowsSplit) and isinstance(proj.many, OneDNNProjection)
+    assert proj.few.blocked.shape == (3, 32, 16, 2)
     calls = []
-    monkeypatch.setattr(linear_mod, "blocked_linear", lambda *a: calls.append(1) or blocked_linear(*a))
-    torch.testing.assert_close(linear(x, m.a.weight).float(), exact, rtol=2e-2, atol=2e-2)
-    assert calls == ([1] if rows <= linear_mod.FEW_ROWS else [])
+    monkeypatch.setattr(projection_mod, "blocked_linear", lambda *a: calls.append(1) or blocked_linear(*a))
+    torch.testing.assert_close(linear(x, proj).float(), exact, rtol=2e-2, atol=2e-2)
+    assert calls == ([1] if rows <= projection_mod.FEW_ROWS else [])
 
 
-@needs_bf16
+@needs_native
+@needs_onednn_bf16
 def test_engine_keeps_the_bf16_few_rows_copy_only_when_asked():
     from hybrid_engine import LLM, SamplingParams
     from hybrid_engine.config import EngineConfig
     outs = {}
     for keep in (True, False):
         llm = LLM(dtype="bfloat16", max_num_seqs=2, bf16_few_rows_copy=keep)
-        assert hasattr(llm.engine.model.packed_lm_head, "few_rows") == keep
+        assert isinstance(llm.engine.model.lm_head_projection, FewRowsSplit) == keep
         outs[keep] = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4))[0]
     assert all(len(o.token_ids) == 4 for o in outs.values())
     with pytest.raises(ValueError, match="bf16_few_rows_copy must be a bool"):
         EngineConfig(bf16_few_rows_copy="yes").validate()
 
 
-@needs_bf16
-@pytest.mark.parametrize("few_rows_graph", [True, False])
-def test_plain_bf16_weight_keeps_a_twin_for_compiled_few_rows_graphs(monkeypatch, few_rows_graph):
-    """Compiled steps leave bf16 weights plain (inductor packs its own) with their blocked copy;
-    a graph traced with `few_rows_graph` set calls the blocked op, one traced without calls
-    the plain product. Both compute x W^T."""
-    from torch import nn
-    monkeypatch.setattr(linear_mod, "BLOCKED_MIN_BYTES", 0)
-    m = nn.Module()
-    m.a = nn.Linear(64, 48, bias=False).bfloat16()
-    pack_weights(m, ["a.weight"], onednn=False)
-    assert not m.a.weight.is_mkldnn and m.a.weight.few_rows.shape == (3, 32, 16, 2)
-    targets = []
+@needs_native
+@needs_onednn_bf16
+def test_compiled_graphs_take_the_few_rows_copy_by_the_inputs_shape(block_every_size):
+    """Compiled steps leave bf16 weights plain (inductor packs its own) with their blocked copy.
+    The row count is read from the traced input's shape, so dynamo guards on it: a graph traced
+    for at most FEW_ROWS rows calls the blocked op, one traced for more the plain product, and
+    each serves its range (two graphs, no flag). Both compute x W^T."""
+    w = torch.randn(48, 64).bfloat16()
+    proj = choose_projection(w, onednn=False)
+    assert isinstance(proj, FewRowsSplit) and isinstance(proj.many, PlainProjection)
+    graphs = []
 
     def backend(gm, _inputs):
-        targets.extend(node.target for node in gm.graph.nodes)
+        graphs.append({node.target for node in gm.graph.nodes})
         return gm.forward
+    import torch.fx.experimental._config as fx_config
     torch._dynamo.reset()
-    f = torch.compile(lambda x: linear(x, m.a.weight), backend=backend, dynamic=True)
-    x = torch.randn(3, 64).bfloat16()
-    monkeypatch.setattr(linear_mod, "few_rows_graph", few_rows_graph)
-    y = f(x)
-    assert (torch.ops.hybrid_engine_cpu.blocked_linear.default in targets) == few_rows_graph
-    torch.testing.assert_close(y.float(), F.linear(x.float(), m.a.weight.float()), rtol=2e-2, atol=2e-2)
+    f = torch.compile(lambda x: linear(x, proj), backend=backend)
+    blocked_op = torch.ops.hybrid_engine_cpu.blocked_linear.default
+    with fx_config.patch(backed_size_oblivious=True):     # as compiled steps trace: no 1-row graph
+        for rows, graph in ((1, 0), (3, 0), (5, 1), (16, 1), (4, 0), (2, 0), (9, 1)):
+            x = torch.randn(rows, 64).bfloat16()
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch.testing.assert_close(f(x).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+            assert (blocked_op in graphs[graph]) == (graph == 0)
+    assert len(graphs) == 2
 
 
-@needs_bf16
-def test_compiled_steps_set_the_few_rows_flag_by_the_step_row_count():
-    from hybrid_engine.compiled_steps import _tracing_config
-    seen = []
-    for rows in (1, linear_mod.FEW_ROWS, linear_mod.FEW_ROWS + 1):
-        with _tracing_config(False, rows):
-            seen.append(linear_mod.few_rows_graph)
-    assert seen == [True, True, False] and linear_mod.few_rows_graph is False
+# ---- the engine at this level ------------------------------------------------------------------
+
+def _generate(folder, dtype, prompts, new):
+    from hybrid_engine import LLM, SamplingParams
+    llm = LLM(model=str(folder), dtype=dtype, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_every_projection_prepared_matches_its_reference(tmp_path, block_every_size, monkeypatch, dtype):
+    """Every blockable projection in its level's layout (none stays plain for being small).
+    float32: greedy tokens and logprobs as transformers' float32 gives them. bfloat16 (whose
+    rounding alone moves logprobs by tenths against float32): the same tokens and logprobs within
+    bf16's error as the engine's own plain path, every projection on F.linear."""
+    from checkpoints import make_hf_model, save_checkpoint
+
+    import hybrid_engine.models.linear as model_linear
+    import hybrid_engine.models.qwen3_5 as model_qwen
+    hf = make_hf_model("qwen3_5", full_attention_interval=2)
+    save_checkpoint(hf, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    new = 24
+    llm, outs = _generate(tmp_path, dtype, prompts, new)
+    want = expected_layout(getattr(torch, dtype), True, True)
+    layouts = {type(m.gate_up_weight) for m in llm.engine.model.modules() if hasattr(m, "gate_up_weight")}
+    assert layouts == ({torch.Tensor} if want is PlainProjection else {want})   # a merged buffer
+    if dtype == "bfloat16":
+        plain = lambda weight, *args: PlainProjection(weight)          # noqa: E731
+        monkeypatch.setattr(model_linear, "choose_projection", plain)
+        monkeypatch.setattr(model_qwen, "choose_projection", plain)
+        _, refs = _generate(tmp_path, dtype, prompts, new)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+        if dtype == "float32":
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+            assert out.token_ids == ref.argmax(-1).tolist()
+            ref_logp = torch.log_softmax(ref, dim=-1)[torch.arange(new), torch.tensor(out.token_ids)]
+            assert (ours - ref_logp).abs().max() < 1e-4
+        else:
+            assert out.token_ids == refs[i].token_ids
+            theirs = torch.tensor([lp[t] for lp, t in zip(refs[i].logprobs, refs[i].token_ids)])
+            assert (ours - theirs).abs().max() < 0.05

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_engine.sampler import Sampler, SamplingRow, apply_penalties, mask_banned_tokens, processed_probs
+from hybrid_engine.sampler import (Sampler, SamplingRow, apply_penalties, mask_banned_tokens, position_uniform,
+                                   processed_probs)
 from hybrid_engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -19,8 +20,8 @@ LOGITS5 = P5.log()
 CHI2_CRIT = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
 
-def make_row(prompt=(), output=(), generator=None, banned=(), **params):
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator, list(banned))
+def make_row(prompt=(), output=(), seed=0, position=0, banned=(), **params):
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), seed, position, list(banned))
 
 
 def seeded(seed):
@@ -234,17 +235,28 @@ def chi_square_check(tokens, probs):
 @pytest.mark.parametrize("case", STAT_CASES)
 def test_sampled_frequencies_follow_processed_probs(case):
     n = 4000
-    rows = [make_row(prompt=[3], output=[1, 1, 4], **STAT_CASES[case]) for _ in range(n)]
+    rows = [make_row(prompt=[3], output=[1, 1, 4], seed=i, **STAT_CASES[case]) for i in range(n)]
     logits = LOGITS5.expand(n, -1)
     probs = processed_probs(LOGITS5[None], rows[:1])[0]
-    chi_square_check(Sampler(seed=1)(logits, rows).token_ids, probs)
+    chi_square_check(Sampler()(logits, rows).token_ids, probs)
 
 
-def test_per_row_generators_sample_the_right_distribution():
+@pytest.mark.parametrize("across", ["seeds", "positions"])
+def test_position_keyed_draws_follow_the_distribution(across):
+    """Many seeds at one position, and one seed over many positions (a request's own stream)."""
     n = 4000
-    rows = [make_row(generator=seeded(i), top_p=0.9, temperature=0.8) for i in range(n)]
+    rows = [make_row(seed=i if across == "seeds" else 5, position=0 if across == "seeds" else i,
+                     top_p=0.9, temperature=0.8) for i in range(n)]
     probs = processed_probs(LOGITS5[None], rows[:1])[0]
     chi_square_check(Sampler()(LOGITS5.expand(n, -1), rows).token_ids, probs)
+
+
+def test_position_uniform_is_a_pure_function_in_range():
+    values = [position_uniform(seed, p) for seed in (0, 1, 2**63, 2**64 - 1) for p in range(200)]
+    assert values == [position_uniform(seed, p) for seed in (0, 1, 2**63, 2**64 - 1) for p in range(200)]
+    assert all(0.0 <= u < 1.0 for u in values) and len(set(values)) == len(values)
+    assert abs(sum(values) / len(values) - 0.5) < 0.05
+    assert position_uniform(-1, 3) == position_uniform(2**64 - 1, 3)    # the seed is taken mod 2**64
 
 
 # ---------------------------------------------------------------- reproducibility
@@ -253,12 +265,11 @@ def test_per_row_generators_sample_the_right_distribution():
 def run_steps(batch_builder, target_position, steps=12):
     """Sample `steps` tokens for a seeded target row placed inside a batch of other rows."""
     step_logits = torch.randn(steps, 64, generator=seeded(99)) * 2
-    target_gen, other_gen = seeded(1234), seeded(7)
     tokens = []
     sampler = Sampler()
     for step in range(steps):
-        target = make_row(output=tokens, generator=target_gen, top_p=0.95, temperature=1.2)
-        others = batch_builder(other_gen)
+        target = make_row(output=tokens, seed=1234, position=step, top_p=0.95, temperature=1.2)
+        others = batch_builder(step)
         rows = others[:target_position] + [target] + others[target_position:]
         logits = torch.randn(len(rows), 64)
         logits[target_position] = step_logits[step]
@@ -269,19 +280,22 @@ def run_steps(batch_builder, target_position, steps=12):
 def test_seeded_row_reproduces_regardless_of_batch_and_position():
     alone = run_steps(lambda g: [], 0)
     crowded = run_steps(
-        lambda g: [make_row(temperature=0.0), make_row(), make_row(generator=g, top_k=5),
-                   make_row(min_p=0.2, logprobs=2)],
+        lambda step: [make_row(temperature=0.0), make_row(seed=3, position=step),
+                      make_row(seed=7, position=step, top_k=5), make_row(min_p=0.2, logprobs=2)],
         2,
     )
-    first = run_steps(lambda g: [make_row(generator=g, temperature=2.0), make_row(top_p=0.5)], 0)
+    first = run_steps(lambda step: [make_row(seed=7, position=step, temperature=2.0), make_row(top_p=0.5)], 0)
     assert alone == crowded == first
     assert len(set(alone)) > 3  # actually sampled, not a constant
 
 
-def test_sampler_seed_makes_unseeded_rows_reproducible():
-    logits = torch.randn(8, VOCAB, generator=seeded(3))
-    rows = [make_row() for _ in range(8)]
-    assert Sampler(seed=11)(logits, rows).token_ids == Sampler(seed=11)(logits, rows).token_ids
+def test_a_row_draws_the_same_token_however_many_positions_the_call_samples():
+    """The verifier samples positions p..p+k in one call; a plain decode samples p alone."""
+    logits = torch.randn(6, VOCAB, generator=seeded(3)) * 2
+    rows = [make_row(seed=11, position=40 + j, temperature=1.1, top_p=0.95) for j in range(6)]
+    together = Sampler()(logits, rows).token_ids
+    one_at_a_time = [Sampler()(logits[j:j + 1], rows[j:j + 1]).token_ids[0] for j in range(6)]
+    assert together == one_at_a_time
 
 
 # ---------------------------------------------------------------- banned tokens
@@ -289,8 +303,8 @@ def test_sampler_seed_makes_unseeded_rows_reproducible():
 
 def test_banned_tokens_are_never_sampled():
     n = 2000
-    rows = [make_row(banned=[3, 1]) for _ in range(n)]
-    tokens = Sampler(seed=0)(LOGITS5.expand(n, -1), rows).token_ids
+    rows = [make_row(seed=i, banned=[3, 1]) for i in range(n)]
+    tokens = Sampler()(LOGITS5.expand(n, -1), rows).token_ids
     assert not {3, 1} & set(tokens)
     assert set(tokens) == {0, 2, 4}
     probs = processed_probs(LOGITS5[None], rows[:1])[0]
@@ -310,7 +324,7 @@ def test_banned_argmax_makes_greedy_take_the_next_best():
 def test_logprobs_are_top_n_plus_chosen_from_raw_logits():
     logits = torch.randn(4, VOCAB, generator=seeded(5)) * 3
     rows = [
-        make_row(logprobs=3, output=[0, 0], repetition_penalty=1.7, temperature=0.5, generator=seeded(0)),
+        make_row(logprobs=3, output=[0, 0], repetition_penalty=1.7, temperature=0.5, seed=0),
         make_row(logprobs=0, temperature=1.3),
         make_row(logprobs=None),
         # the greedy pick is not among the top 1 once the top token is banned
@@ -376,10 +390,10 @@ def test_sampled_tokens_lie_in_the_allowed_support(data):
         for _ in range(batch)
     ]
     seed = data.draw(st.integers(0, 2**32), label="seed")
-    rows = [SamplingRow(p, [], [], seeded(seed + i)) for i, p in enumerate(params)]
+    rows = [SamplingRow(p, [], [], seed + i) for i, p in enumerate(params)]
     logits = torch.tensor(rows_logits)
 
-    tokens = Sampler(seed=seed)(logits, rows).token_ids
+    tokens = Sampler()(logits, rows).token_ids
     probs = processed_probs(logits, rows)
     for i, (row_logits, p) in enumerate(zip(rows_logits, params)):
         may = reference_support(row_logits, p, slack=1e-4)

@@ -287,3 +287,24 @@ def test_200_random_speculative_requests_with_aborts_mid_verify(spec_ckpts):
                 done += 1
     assert aborted > 0 and rejected > 0 and done + aborted + rejected == 200
     assert_no_leak(engine)
+
+
+def test_speculation_off_keeps_no_mtp_weights_nor_kv_pool(spec_ckpts, tmp_path):
+    folder = spec_ckpts["qwen3_5"]
+    off = LLMEngine(EngineConfig(model=str(folder), dtype="float32"))
+    on = LLMEngine(EngineConfig(model=str(folder), dtype="float32", speculative_config=spec(2)))
+    attention_layers = len(off.model_config.full_attention_layers)
+    assert off.model.mtp is None and off.drafter is None
+    assert not any(name.startswith("mtp.") for name, _ in off.model.named_parameters())
+    assert off.cache.spec.num_attention_layers == len(off.cache.kv_caches) == attention_layers
+    assert on.model.mtp is not None and len(on.cache.kv_caches) == attention_layers + 1
+    # The mtp.* tensors are still checked when they are not kept.
+    import shutil
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["mtp.fc.weight"] = tensors["mtp.fc.weight"][:, :-1].contiguous()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="mtp.fc.weight"):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))

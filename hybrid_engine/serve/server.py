@@ -18,6 +18,9 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # Listening now, not when uvicorn starts: a client that connects in between waits in the
+    # backlog instead of being refused.
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

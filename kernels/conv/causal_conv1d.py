@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..slot_pool import scatter_to_slots, slots_valid
+from ..slot_pool import DecodeRows, scatter_to_slots
 
 
 CONV_BLOCK_BYTES = 512 * 1024        # float32 bytes per block of conv rows: a few blocks fit in L2
@@ -84,14 +84,16 @@ def _conv_silu_rows(x: torch.Tensor, taps: torch.Tensor, out: torch.Tensor,
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
-                         read_slots: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
+                         read_slots: torch.Tensor, write_slots: torch.Tensor,
+                         rows: DecodeRows | None = None) -> torch.Tensor:
     """Causal conv for B requests of T new tokens each (decode: T = 1; verify: k+1), batched.
 
     x: [B, T, D]; weight: [D, K]; window_pool: [S, D, K-1] in x.dtype, modified in place;
     read_slots: [B] int64, row b continues from window_pool[read_slots[b]]; write_slots: [B, T]
     int64, the window after token t of row b goes to window_pool[write_slots[b, t]] (entries
     < 0 skipped; tokens are written in order, so a slot repeated along t keeps the last
-    window). All reads happen before any write. Returns y: [B, T, D] in x.dtype.
+    window). All reads happen before any write. rows: the step's DecodeRows (None: read back
+    from the slots). Returns y: [B, T, D] in x.dtype.
 
     Each output is one product of its K-tap window with the weight and a sum over the taps
     (conv1d's per-call set-up costs more than the arithmetic at decode sizes; this is two
@@ -105,7 +107,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: tor
     y = (xx.float().unfold(-1, W + 1, 1) * weight.float()[:, None]).sum(-1)  # [B, D, T]
     y = F.silu(y.to(x.dtype)).transpose(1, 2)
     windows = xx.unfold(-1, W, 1).unbind(2)[1:]        # T x [B, D, W]: the window after each token
-    valid = slots_valid(write_slots)
+    valid = (rows or DecodeRows.of_tensors(read_slots, write_slots)).writes_valid
     for slots, window in zip(write_slots.unbind(1), windows):   # in token order: a repeated slot keeps the last
         scatter_to_slots(window_pool, slots, window, valid)
     return y

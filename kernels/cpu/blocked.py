@@ -3,10 +3,12 @@ torch reference.
 
 Layout: `block_weight(W)` turns W [N, K] (N a multiple of 16) into blocks of 16 output columns:
 float32 W_blocked [N/16, K, 16] (block b holds columns 16b..16b+15 of W^T); bfloat16 in pairs
-of k, [N/16, ceil(K/2), 16, 2], the layout AVX512-BF16's dot product reads (odd K padded).
+of k, [N/16, ceil(K/2), 16, 2], the layout AVX512-BF16's dot product reads (odd K padded). The
+layout is the same at every level of kernels/cpu/isa.py: only the kernel's vector width changes.
 
-The kernel is built on first use (kernels/cpu/build.py) and called through ctypes. Where it
-cannot be built or run `native_available()` is False and callers keep their unblocked weights.
+The kernel is built on first use for the process's level (kernels/cpu/build.py) and called
+through ctypes. Where it cannot be built or run (level `none`, no compiler) `native_available()`
+is False and callers keep their unblocked weights.
 Under torch.compile the call is the graph op `hybrid_engine_cpu::blocked_linear` (graph_op.py),
 so inductor leaves it as one extern call.
 """
@@ -54,8 +56,7 @@ def unblock_weight(w_blocked: torch.Tensor, k: int) -> torch.Tensor:
 
 def can_block(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
-            and weight.shape[0] % BLOCK == 0 and native_available()
-            and (weight.dtype != torch.bfloat16 or bool(_library().has_bf16())))
+            and weight.shape[0] % BLOCK == 0 and native_available())
 
 
 def native_available() -> bool:
@@ -100,5 +101,4 @@ def _library() -> ctypes.CDLL | None:
         args = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
         for fn in (lib.blocked_linear_f32, lib.blocked_linear_bf16):
             fn.argtypes, fn.restype = args, ctypes.c_int
-        lib.has_bf16.argtypes, lib.has_bf16.restype = [], ctypes.c_int
     return lib

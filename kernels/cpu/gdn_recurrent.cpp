@@ -21,10 +21,12 @@
 // kq: [B, T, H, 2, dk] (k, then the scaled q), decay/beta: [B, T, H], v: [B, T, H, dv] float32;
 // pool: [S, H, dk, dv] float32; read_slots: [B], write_slots: [B, T] int64; o: [B, T, H, dv].
 // Returns 0, or 1 for an unsupported dv, 2 for a slot outside the pool (nothing is computed).
-#include <immintrin.h>
+// One source for every level: rows of S are walked in vectors of simd::W floats (simd.h).
 #include <stdint.h>
 
 #include <vector>
+
+#include "simd.h"
 
 extern "C" int gdn_recurrent(const float* kq, const float* decay, const float* beta, const float* v,
                              float* pool, const int64_t* read_slots, const int64_t* write_slots,
@@ -49,12 +51,12 @@ extern "C" int gdn_recurrent(const float* kq, const float* decay, const float* b
       const float a = decay[bth], be = beta[bth];
       for (int j = 0; j < dv; j++) ks[j] = qs[j] = 0.f;
       for (int i = 0; i < dk; i++) {         // row by row: S streams in order
-        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        const simd::F ki = simd::set1(k[i]), qi = simd::set1(q[i]);
         const float* row = src + (int64_t)i * dv;
-        for (int j = 0; j < dv; j += 16) {
-          __m512 s = _mm512_loadu_ps(row + j);
-          _mm512_storeu_ps(ks + j, _mm512_fmadd_ps(ki, s, _mm512_loadu_ps(ks + j)));
-          _mm512_storeu_ps(qs + j, _mm512_fmadd_ps(qi, s, _mm512_loadu_ps(qs + j)));
+        for (int j = 0; j < dv; j += simd::W) {
+          const simd::F s = simd::load(row + j);
+          simd::store(ks + j, simd::fmadd(ki, s, simd::load(ks + j)));
+          simd::store(qs + j, simd::fmadd(qi, s, simd::load(qs + j)));
         }
       }
       float kdotq = 0.f;
@@ -73,15 +75,13 @@ extern "C" int gdn_recurrent(const float* kq, const float* decay, const float* b
         if (scratch.empty()) scratch.resize(head_stride);
         dst = scratch.data();                // src may be the scratch too: in place
       }
-      const __m512 av = _mm512_set1_ps(a);
+      const simd::F av = simd::set1(a);
       for (int i = 0; i < dk; i++) {
-        const __m512 ki = _mm512_set1_ps(k[i]);
+        const simd::F ki = simd::set1(k[i]);
         const float* row = src + (int64_t)i * dv;
         float* out = dst + (int64_t)i * dv;
-        for (int j = 0; j < dv; j += 16) {
-          __m512 s = _mm512_loadu_ps(row + j);
-          _mm512_storeu_ps(out + j, _mm512_fmadd_ps(ki, _mm512_loadu_ps(u + j), _mm512_mul_ps(av, s)));
-        }
+        for (int j = 0; j < dv; j += simd::W)
+          simd::store(out + j, simd::fmadd(ki, simd::load(u + j), simd::mul(av, simd::load(row + j))));
       }
       src = dst;
     }

@@ -22,13 +22,14 @@ import torch.nn.functional as F
 # of such tiny factors land in float32's subnormal range, where every multiply-add is a slow
 # microcode assist on x86 CPUs. With strong-decay heads that made the whole op 2-4x slower.
 LOG_DECAY_CUTOFF = -30.0
+CHUNK_SIZE = 64
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, cu_seqlens: torch.Tensor,
                            initial_state: torch.Tensor, scale: float | None = None,
-                           use_qk_l2norm: bool = True, chunk_size: int = 64
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           use_qk_l2norm: bool = True, chunk_size: int = CHUNK_SIZE,
+                           layout: ChunkLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over N packed sequences.
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay, <= 0), beta: [T, Hv];
@@ -36,12 +37,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     for fresh sequences; not modified). Value head h uses key head h // (Hv / Hk).
     Computes in fp32: l2norm(q), l2norm(k) (optional), q *= scale (default dk**-0.5), then per
     token S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q.
+    layout: the step's ChunkLayout of these sequences (built once for all GDN layers of a step,
+    from lengths the caller holds; its chunk size wins); None: built here, reading the lengths back.
     Returns o: [T, Hv, dv] in v.dtype and final_state: [N, Hv, dk, dv] float32.
     """
     T, Hv, dv = v.shape
     Hk, dk = k.shape[-2:]
     out_dtype = v.dtype
-    layout = _ChunkLayout(cu_seqlens, chunk_size)
+    if layout is None:
+        layout = ChunkLayout((cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), chunk_size, v.device)
+    chunk_size = layout.chunk_size
     if layout.num_chunks == 0:                                          # only empty sequences
         return v.new_empty(0, Hv, dv), initial_state.float().clone()
     # Every [chunks, H, C, ...] buffer below is float32 and this function's own, so the work is
@@ -132,28 +137,32 @@ def _segment_sum(g: torch.Tensor) -> torch.Tensor:
     return seg.masked_fill_(~ones.tril(), float("-inf"))
 
 
-class _ChunkLayout:
-    """Where each packed token sits in the step-major padded chunk buffer."""
+class ChunkLayout:
+    """Where each packed token of a step's prefill sequences sits in the step-major padded chunk
+    buffer. Built from the sequences' lengths as host ints (the same for every GDN layer)."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int):
-        device = cu_seqlens.device
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        num_chunks = (lengths + chunk_size - 1) // chunk_size
+    def __init__(self, lengths: list[int], chunk_size: int = CHUNK_SIZE, device: torch.device | str = "cpu"):
+        counts = [-(-n // chunk_size) for n in lengths]
         # longest first, so the sequences alive at scan step i are a prefix of this order
-        self.order = torch.argsort(num_chunks, descending=True, stable=True)
-        rank = torch.empty_like(self.order)
-        rank[self.order] = torch.arange(len(self.order), device=device)
-        max_chunks = int(num_chunks.max()) if len(num_chunks) else 0
-        active = (num_chunks[None, :] > torch.arange(max_chunks, device=device)[:, None]).sum(1)
-        step_start = torch.cumsum(active, 0) - active
-        self.steps = list(zip(step_start.tolist(), active.tolist()))
-        self.num_chunks = int(active.sum())
+        order = sorted(range(len(lengths)), key=lambda i: -counts[i])
+        rank = [0] * len(order)
+        for r, i in enumerate(order):
+            rank[i] = r
+        active = [sum(c > step for c in counts) for step in range(max(counts, default=0))]
+        step_start = [sum(active[:step]) for step in range(len(active))]
+        self.steps = list(zip(step_start, active))
+        self.num_chunks = sum(active)
         self.chunk_size = chunk_size
-
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        local = torch.arange(int(cu_seqlens[-1]), device=device) - cu_seqlens[seq]
-        self.chunk = step_start[local // chunk_size] + rank[seq]         # [T] chunk of each token
-        self.position = local % chunk_size                              # [T] its row in the chunk
+        chunk, position = [], []
+        for i, n in enumerate(lengths):
+            for c in range(counts[i]):
+                m = min(chunk_size, n - c * chunk_size)
+                chunk.extend([step_start[c] + rank[i]] * m)
+                position.extend(range(m))
+        i64 = dict(dtype=torch.int64, device=device)
+        self.order = torch.tensor(order, **i64)
+        self.chunk = torch.tensor(chunk, **i64)                      # [T] chunk of each token
+        self.position = torch.tensor(position, **i64)                # [T] its row in the chunk
 
     def pack(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H, ...] -> [chunks, H, C, ...] float32, zeros in the padding; written into `into` (a

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
+from ..cpu.gdn_recurrent import can_run_native, gdn_recurrent_native
 from ..cpu.graph_op import define_graph_op
-from ..slot_pool import scatter_to_slots, slots_valid
+from ..slot_pool import DecodeRows, scatter_to_slots
 from .qk_norm import normalize_kq
 
 # A slot state at least this large is updated in place, one request at a time.
@@ -36,8 +36,8 @@ IN_PLACE_MIN_BYTES = 256 * 1024
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state_pool: torch.Tensor,
                                read_slots: torch.Tensor, write_slots: torch.Tensor,
-                               scale: float | None = None, use_qk_l2norm: bool = True
-                               ) -> torch.Tensor:
+                               scale: float | None = None, use_qk_l2norm: bool = True,
+                               rows: DecodeRows | None = None) -> torch.Tensor:
     """Gated delta rule for B requests of T tokens each, batched over requests and heads.
 
     q, k: [B, T, Hk, dk]; v: [B, T, Hv, dv]; g (log decay, <= 0), beta: [B, T, Hv];
@@ -47,43 +47,52 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Every read happens before any write, so a write slot may equal a read slot (plain decode:
     T = 1, write_slots = read_slots[:, None]). Tokens are written in order, so a slot repeated
     along t keeps the last state; rows of one step must not share a write slot.
+    rows: the step's DecodeRows, which choose the form (None: read back from the slots).
     Returns o: [B, T, Hv, dv] in v.dtype.
     """
     Hv = v.shape[2]
     kq = normalize_kq(q, k, Hv, scale, use_qk_l2norm)                # [B, T, Hv, 2, dk]: k, scaled q
     decay = g.float().exp()
-    if not torch.compiler.is_compiling():
-        return _from_slots(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
-    if can_run_native(state_pool):
-        # The native kernel as an opaque op of the graph (it decides at run time, from the
-        # slots, whether it may run or the torch forms must: _from_slots).
-        o = _gdn_recurrent_op(kq, decay, beta, v, state_pool, read_slots, write_slots)
-        return o.to(v.dtype)
-    # No read-back of the slots under tracing: the general form.
-    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots).to(v.dtype)
+    if can_run_native(state_pool) and (rows is None or rows.independent):   # any state size and T
+        # One op, eager and under torch.compile alike (there an opaque call of the graph);
+        # without the step's rows it checks them itself, at run time.
+        o = _gdn_recurrent_op(kq, decay, beta, v, state_pool, read_slots, write_slots, rows is not None)
+    else:
+        o = _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots,
+                        rows or DecodeRows.of_tensors(read_slots, write_slots))
+    return o.to(v.dtype)
 
 
-def _from_slots(kq, decay, beta, v, state_pool, read_slots, write_slots) -> torch.Tensor:
-    """The eager choice of form, which reads the slots back -> o [B, T, Hv, dv] float32."""
+def _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots, rows: DecodeRows) -> torch.Tensor:
+    """-> o [B, T, Hv, dv] float32. Where the rows' slots are known as host ints and each row
+    writes back to its read slot, states are updated where they live in the pool."""
     B, T, Hv, dv = v.shape
-    read, write = read_slots.tolist(), write_slots.tolist()
-    if can_run_native(state_pool) and rows_independent(read, write):   # any state size and T
-        return gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots)
-    plain = T == 1 and [row[0] for row in write] == read   # each row back to its slot
-    if plain and _large(state_pool):
+    ids = rows.read_ids if rows.in_place else None
+    if ids is not None and _large(state_pool):
         kq = kq[:, 0]
         qk = (kq[:, :, 0] * kq[:, :, 1]).sum(-1)[..., None, None]        # [B, Hv, 1, 1]
         o = _decode_in_place(kq, qk, decay[:, 0, :, None, None], beta.float()[:, 0, :, None, None],
-                             v.float()[:, 0, :, None, :], state_pool, read)
+                             v.float()[:, 0, :, None, :], state_pool, ids)
         return o.view(B, 1, Hv, dv)
     # A single plain decode needs no copy at any size: its one state is updated in its slot.
-    in_place_slot = read[0] if plain and B == 1 else None
-    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot)
+    in_place_slot = ids[0] if ids is not None and B == 1 else None
+    return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot, rows.writes_valid)
+
+
+def _native(kq, decay, beta, v, state_pool, read_slots, write_slots, known_independent: bool):
+    """The graph op's body. known_independent: the caller knows the rows are independent;
+    False: checked here (a read-back, but the op runs eagerly even inside a compiled graph),
+    and rows that depend on each other take the torch form."""
+    if not known_independent:
+        rows = DecodeRows.of_tensors(read_slots, write_slots)
+        if not rows.independent:
+            return _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots, rows)
+    return gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots)
 
 
 _gdn_recurrent_op = define_graph_op(
     "gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
-    "Tensor read_slots, Tensor write_slots) -> Tensor", _from_slots,
+    "Tensor read_slots, Tensor write_slots, bool known_independent) -> Tensor", _native,
     lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32))
 
 
@@ -106,18 +115,20 @@ def _decode_in_place(kq, qk, decay, beta, v, state_pool, slots):
     return o
 
 
-def _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot=None):
+def _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot=None, writes_valid=None):
     """General form: the batch's states gathered into a copy (which lets writes target read
     slots), advanced token by token in the naive reference's order (decay, read k^T S, update,
     read q^T S: fewer ops than the in-place path's single read, which pays only for large
     states), each token's state scattered to its write slots. With in_place_slot (one request,
-    one token, written back to where it was read) the state is updated in the pool instead."""
+    one token, written back to where it was read) the state is updated in the pool instead.
+    writes_valid: no write slot is negative (None: checked here, a read-back)."""
     B, T, Hv, _, dk = kq.shape
     dv = v.shape[-1]
     n = B * Hv
     if in_place_slot is None:
         states = state_pool.index_select(0, read_slots)               # [B, Hv, dk, dv], what is written
-        valid = slots_valid(write_slots)
+        if writes_valid is None:
+            writes_valid = bool((write_slots >= 0).all())
     else:
         states = state_pool[in_place_slot:in_place_slot + 1]
     state = states.view(n, dk, dv)                                    # the same memory, batched over heads
@@ -131,7 +142,7 @@ def _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slo
         state.baddbmm_(k_t.transpose(1, 2), u)                         # S += k u^T, u = beta (v - k^T S)
         outs.append(torch.bmm(kq_t[:, 1:], state).view(B, 1, Hv, dv))  # q^T S
         if in_place_slot is None:
-            scatter_to_slots(state_pool, slots, states, valid)
+            scatter_to_slots(state_pool, slots, states, writes_valid)
     return outs[0] if T == 1 else torch.cat(outs, 1)
 
 
@@ -139,6 +150,6 @@ def _per_token(x: torch.Tensor, *shape: int) -> list[torch.Tensor]:
     """x: [B, T, ...] -> T tensors, each token's slice reshaped to `shape`."""
     if x.shape[1] == 1:
         return [x.reshape(shape)]
-    if torch.compiler.is_compiling():    # comparing symbolic shapes would specialise on batch size 1
-        return [x_t.reshape(shape) for x_t in x.unbind(1)]
-    return [x_t if x_t.shape == shape else x_t.reshape(shape) for x_t in x.unbind(1)]
+    # reshape even where the shape is already right: comparing symbolic shapes under
+    # torch.compile would specialise on batch size 1
+    return [x_t.reshape(shape) for x_t in x.unbind(1)]

@@ -18,8 +18,9 @@ from .common import checks_enabled, contiguous_last
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Same contract as the torch op (kernels/attention.py); negative slots are skipped."""
+                   slot_mapping: torch.Tensor, slots_valid: bool | None = None) -> None:
+    """Same contract as the torch op (kernels/attention.py); negative slots are skipped in the
+    kernel, so slots_valid is not needed."""
     T, nkv, hd = k.shape
     if T == 0:
         return
@@ -47,9 +48,11 @@ def _write_kv_kernel(k, v, cache, slot_mapping, block_size, sk_t, sk_h, sv_t, sv
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    layout=None) -> torch.Tensor:
     """Same contract as the torch op, for sequences of at least one new token each (the
-    engine never schedules an empty one; checked on CPU tensors)."""
+    engine never schedules an empty one; checked on CPU tensors). The kernel walks the block
+    tables itself, so the torch op's AttentionLayout is not needed."""
     T, nh, hd = q.shape
     N = cu_seqlens_q.numel() - 1
     nkv = kv_cache.shape[3]

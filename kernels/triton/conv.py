@@ -31,8 +31,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
-                         read_slots: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
-    """Same contract as the torch op (x [B, T, D], window_pool [S, D, K-1] updated in place),
+                         read_slots: torch.Tensor, write_slots: torch.Tensor, rows=None) -> torch.Tensor:
+    """Same contract as the torch op (x [B, T, D], window_pool [S, D, K-1] updated in place; one
+    form, so no DecodeRows),
     with the triton GDN decode's precondition: a row writes no other row's read slot."""
     B, T, D = x.shape
     K = weight.shape[1]

@@ -18,12 +18,13 @@ from .common import check_private_write_slots, contiguous_last
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, cu_seqlens: torch.Tensor,
                            initial_state: torch.Tensor, scale: float | None = None,
-                           use_qk_l2norm: bool = True, chunk_size: int = 64
+                           use_qk_l2norm: bool = True, chunk_size: int = 64, layout=None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as the torch op (see kernels/gdn/chunk.py); fla's chunk size is fixed at 64."""
+    """Same contract as the torch op (see kernels/gdn/chunk.py); fla's chunk size is fixed at 64
+    and fla lays out its chunks itself (no ChunkLayout)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    del chunk_size                                       # a tuning knob of the torch form only
+    del chunk_size, layout                               # the torch form's knob and layout
     T, Hv, dv = v.shape
     if T == 0:
         return v.new_empty(0, Hv, dv), initial_state.float().clone()
@@ -37,9 +38,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state_pool: torch.Tensor,
                                read_slots: torch.Tensor, write_slots: torch.Tensor,
-                               scale: float | None = None, use_qk_l2norm: bool = True
+                               scale: float | None = None, use_qk_l2norm: bool = True, rows=None
                                ) -> torch.Tensor:
-    """Same contract as the torch op (kernels/gdn/recurrent.py), with one precondition the
+    """Same contract as the torch op (kernels/gdn/recurrent.py; one form, so no DecodeRows), with one precondition the
     torch op does not need: a row's write slots are not another row's read slot (programs
     run concurrently). The engine's slots are private to a request, so this always holds;
     it is checked on CPU tensors and when HYBRID_ENGINE_KERNEL_CHECKS=1.
@@ -52,8 +53,8 @@ def recurrent_gated_delta_rule_fused_gating(q: torch.Tensor, k: torch.Tensor, v:
                                             a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                                             dt_bias: torch.Tensor, state_pool: torch.Tensor,
                                             read_slots: torch.Tensor, write_slots: torch.Tensor,
-                                            scale: float | None = None, use_qk_l2norm: bool = True
-                                            ) -> torch.Tensor:
+                                            scale: float | None = None, use_qk_l2norm: bool = True,
+                                            rows=None) -> torch.Tensor:
     """The recurrent op with g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b)
     computed in-kernel in fp32 (a, b: [B, T, Hv] raw projections; A_log, dt_bias: [Hv])."""
     return _launch(q, k, v, state_pool, read_slots, write_slots, scale, use_qk_l2norm,

@@ -70,7 +70,7 @@ For each function call, return a json object with function name and arguments wi
 
 
 def make_chat_checkpoint(folder: str | Path, seed: int = 0) -> Path:
-    from hybrid_engine.tokenizer import train_qwen35_bpe
+    from qwen35_bpe import train_qwen35_bpe
 
     folder = Path(folder)
     tok = train_qwen35_bpe(_corpus().splitlines(keepends=True), 256, byte_alphabet=False)

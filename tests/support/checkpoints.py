@@ -435,7 +435,7 @@ def save_tokenizer(folder: str | Path, vocab_size: int = 256) -> int:
 
     With vocab_size >= 512 the alphabet is all 256 bytes (lossless for any text); below that it
     covers the printable ASCII characters only (other characters are dropped when encoding)."""
-    from hybrid_engine.tokenizer import QWEN35_EOS_TOKEN, train_qwen35_bpe
+    from qwen35_bpe import QWEN35_EOS_TOKEN, train_qwen35_bpe
 
     # The same normalizer / pre-tokenizer / decoder as transformers' Qwen3_5Tokenizer, which
     # AutoTokenizer picks for qwen3_5 folders: both ways of loading then encode identically.

@@ -43,7 +43,9 @@ def _inputs(B, device, seed):
 def _check_runs(graphs, device):
     for B, seed in [(3, 0), (1, 1), (4, 2), (2, 3), (7, 4)]:
         x = _inputs(B, device, seed)
-        (out,) = graphs.run(B, x)
+        for name, value in x.items():          # the caller writes the real rows into the buffers
+            graphs.buffers[name][:value.shape[0]].copy_(value)
+        (out,) = graphs.run(B)
         torch.testing.assert_close(out.clone(), _step(x)[0])
         bucket = graphs.bucket_for(B)
         if bucket is not None:                 # the padding rows hold pad values, not stale rows
@@ -53,12 +55,23 @@ def _check_runs(graphs, device):
             assert torch.equal(v["cu_seqlens"], K1 * torch.arange(bucket + 1, device=device))
 
 
+def _caller_buffers(rows):
+    # larger than the largest bucket needs, as the engine's step-input buffers are
+    return {name: torch.zeros(spec.rows(rows), *spec.row_shape, dtype=spec.dtype) for name, spec in SPECS.items()}
+
+
 def test_buckets_padding_and_eager_fallback_without_graphs():
-    graphs = StepGraphs(_step, SPECS, buckets=[4, 2], device="cpu", output_rows_per_request=1)
+    graphs = StepGraphs(_step, SPECS, buckets=[4, 2], device="cpu", output_rows_per_request=1,
+                        buffers=_caller_buffers(8))
     assert [graphs.bucket_for(b) for b in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, None]
     graphs.capture()                           # no-op without CUDA
     assert not graphs.graphs
     _check_runs(graphs, "cpu")
+
+
+def test_buffers_too_small_for_the_largest_bucket_are_refused():
+    with pytest.raises(ValueError, match="'tokens'"):
+        StepGraphs(_step, SPECS, buckets=[4, 2], device="cpu", buffers=_caller_buffers(3))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -27,8 +27,7 @@ def _engine(device, k, graphs):
                                     speculative_config=spec, enforce_eager=True))
     if graphs:
         engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
-            engine.model, engine.cache, [1, 1 + k], [2, 4], engine.builder.block_tables.shape[1], device,
-            capture=device == "cuda"))
+            engine.model, engine.cache, engine.builder, [1, 1 + k], [2, 4], capture=device == "cuda"))
     return engine
 
 
@@ -85,7 +84,7 @@ def test_graphed_step_reads_nothing_back_to_the_host(device, k, monkeypatch):
         engine.step()                                        # prefill (eager)
         if k:
             engine.step()                                    # a first verify fills the buffers
-        views = graphs._load(4, 0, {})                       # what capture runs on: all padding
+        views = graphs._pad(4, 0)                            # what capture runs on: all padding
         with torch.inference_mode(), _HostReads() as reads:
             graphs.step(views)
     assert reads.ops == [], f"host reads in a graphed step: {reads.ops}"

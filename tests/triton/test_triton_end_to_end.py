@@ -22,7 +22,8 @@ def model_cache(tmp_path_factory):
 
 
 def _generate(backend, spec, device, cache_dir, monkeypatch):
-    monkeypatch.setenv("HYBRID_ENGINE_CACHE", str(cache_dir))
+    # The engine's build cache (kernels/cpu/build.py): this test's own, not the user's.
+    monkeypatch.setenv("HYBRID_ENGINE_CACHE_DIR", str(cache_dir))
     with kernels.using_backend(backend):
         llm = LLM(dtype="float32", device=device, block_size=4, speculative_config=spec)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),

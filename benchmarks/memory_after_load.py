@@ -1,0 +1,62 @@
+"""Memory after load, with and without MTP speculation (issue 15): resident set size of a
+fresh process that has built an LLM, the cache pools' bytes, and the model's weight bytes.
+
+    python benchmarks/memory_after_load.py [--model FOLDER] [--dtype float32] [--k 4]
+
+Each configuration runs in its own process, so one's pages never count towards the other's
+RSS. Memory figures, unlike timings, mean something on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+
+def measure(model: str | None, dtype: str, k: int) -> dict:
+    """In this process: build the LLM, then read VmRSS (the kernel's count, pages really held)."""
+    import torch
+
+    from hybrid_engine import LLM
+
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    llm = LLM(model=model, dtype=dtype, speculative_config=spec)
+    engine = llm.engine
+    cache = engine.cache
+    cache_bytes = sum(t.numel() * t.element_size()
+                      for t in cache.kv_caches + cache.conv_states + cache.recurrent_states)
+    weights = [t for t in list(engine.model.parameters()) + list(engine.model.buffers()) if not t.is_meta]
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights if not t.is_mkldnn)
+    with open("/proc/self/status") as f:
+        rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"k": k, "rss_mib": rss_kib / 1024, "cache_mib": cache_bytes / 2**20,
+            "kv_pools": len(cache.kv_caches), "mtp_module": engine.model.mtp is not None,
+            "weight_mib": weight_bytes / 2**20, "torch": torch.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder; default: the embedded default model")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the speculative run")
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)   # child process: this k only
+    args = ap.parse_args()
+    if args.one is not None:
+        print(json.dumps(measure(args.model, args.dtype, args.one)))
+        return
+    rows = []
+    for k in (0, args.k):
+        cmd = [sys.executable, __file__, "--dtype", args.dtype, "--one", str(k)]
+        if args.model:
+            cmd += ["--model", args.model]
+        rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
+    print(f"{'speculation':>12} {'RSS MiB':>9} {'cache MiB':>10} {'KV pools':>9} {'MTP module':>11} {'weights MiB':>12}")
+    for r in rows:
+        print(f"{('k=' + str(r['k'])) if r['k'] else 'off':>12} {r['rss_mib']:9.1f} {r['cache_mib']:10.1f} "
+              f"{r['kv_pools']:9d} {str(r['mtp_module']):>11} {r['weight_mib']:12.1f}")
+
+
+if __name__ == "__main__":
+    main()

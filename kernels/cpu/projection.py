@@ -1,0 +1,137 @@
+"""The CPU weight-layout policy: for each projection weight W [out, in], the layout its products
+x W^T run fastest from, chosen once after loading (`choose_projection`, vLLM's
+`process_weights_after_loading`) and applied by calling the object (`apply`). Models call the
+projection and know no layout.
+
+Layouts, by what the process's level allows (kernels/cpu/isa.py):
+
+- Plain: the weight as loaded. Small weights stay plain: a product of a few hundred KB is over
+  in microseconds, and the native kernel's call (ctypes, output allocation) costs a few more
+  than MKL's (the default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when
+  blocked). For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
+  (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
+  ms over 24 layers, 2 threads), so `plain_linear` asks for the latter there and transposes the
+  small result back; at 1-3 rows MKL's GEMV path is faster, from 64 rows on x W^T wins again.
+  (Not in traced graphs: inductor picks its own product.)
+
+- Blocked (the native kernel, kernels/cpu/blocked.py): float32 W becomes [N/16, K, 16] and
+  every product runs in the hand-written kernel: at 1 row it streams as fast as MKL's GEMV
+  (1.0-1.1x), at 4 rows (MTP verify) 1.7-1.9x MKL, at 16 rows 1.4-1.5x MKL's best form, at 512
+  rows on par (AVX-512 measurements). bf16 W is blocked too where oneDNN may not pack it (AVX2:
+  torch's bf16 matmul has no fast path there, the kernel widens bf16 in registers). One copy
+  of the weights replaces the plain one.
+
+- oneDNN-packed (bf16 / fp16 where `onednn_packs`): PyTorch's plain bf16 matmul converts as it
+  goes and reaches about 2/3 of the bandwidth oneDNN gets from a weight reordered once into its
+  blocked layout (AMX / AVX512-BF16 kernels), at batch 1 and batched alike. The packed tensor is
+  opaque (inference only). Compiled steps (onednn=False) keep such weights plain instead:
+  inductor's freezing packs the weights of its graphs itself.
+
+- Few-rows split: a bf16 weight that oneDNN packs (or that compiled steps leave plain for it)
+  also gets a blocked copy for products of at most FEW_ROWS rows of x (batch-1 decode, MTP
+  verify at k <= 3): there the native kernel's AVX512-BF16 dot products stream 1.3-1.5x faster
+  than oneDNN (26-28 vs 18-20 GB/s at 0.8B shapes), while from 8 rows on oneDNN's AMX kernel is
+  faster, 2.5x at 32 rows and more for prefill. The price is a second copy of the bf16 weights.
+  Under torch.compile the row count test is on the input's (symbolic) shape: dynamo guards on
+  it, so a graph traced for few rows and one for more each take their own branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .blocked import BLOCK, block_weight, blocked_linear, can_block
+from .isa import onednn_packs
+
+TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
+BLOCKED_MIN_BYTES = 1 << 20         # smaller weights stay plain (see the module docstring)
+FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T from a plain [out, in] weight."""
+    if (not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] in TRANSPOSED_ROWS
+            and weight.dtype == torch.float32 and x.device.type == "cpu"):
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight)
+
+
+class Projection:
+    """x W^T for one weight in the layout chosen for it. `replaces_weight`: the object holds
+    the weight's values in a layout of its own and needs no plain copy beside it (the caller may
+    free the plain weight); `rows(ids)` then still reads W[ids] (a tied embedding table)."""
+
+    replaces_weight = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} cannot gather weight rows")
+
+
+class PlainProjection(Projection):
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return plain_linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class BlockedProjection(Projection):
+    replaces_weight = True
+
+    def __init__(self, weight: torch.Tensor):
+        self.in_features = weight.shape[1]
+        self.blocked = block_weight(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return blocked_linear(x, self.blocked)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = self.blocked[ids // BLOCK, :, ids % BLOCK]          # [n, K] or [n, K/2, 2] (bf16 pairs)
+        return picked.reshape(ids.shape[0], -1)[:, :self.in_features]
+
+
+class OneDNNProjection(Projection):
+    def __init__(self, weight: torch.Tensor):
+        # batch-size hint 1: decode; batched and prefill shapes measured no slower than plain
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class FewRowsSplit(Projection):
+    """`few` for products of at most FEW_ROWS rows of x, `many` for more."""
+
+    def __init__(self, many: Projection, few: BlockedProjection):
+        self.many, self.few = many, few
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self.few(x) if rows <= FEW_ROWS else self.many(x)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.many.rows(ids)
+
+
+def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: bool = True) -> Projection:
+    """The layout for a [out, in] weight (see the module docstring). onednn=False: weights
+    oneDNN would pack stay plain (compiled steps pack their own); few_rows_copy=False: no
+    blocked bf16 copy beside a packed or plain weight."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.is_meta:
+        return PlainProjection(weight)
+    blockable = can_block(weight) and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
+    if weight.dtype == torch.float32:
+        return BlockedProjection(weight) if blockable else PlainProjection(weight)
+    if not onednn_packs(weight.dtype):
+        return BlockedProjection(weight) if blockable and weight.dtype == torch.bfloat16 else PlainProjection(weight)
+    many = OneDNNProjection(weight) if onednn else PlainProjection(weight)
+    if few_rows_copy and blockable and weight.dtype == torch.bfloat16:
+        return FewRowsSplit(many, BlockedProjection(weight))
+    return many

@@ -1,0 +1,70 @@
+// The vector width of the native kernels as one compile-time parameter: each kernel is written
+// once against these few operations, and kernels/cpu/build.py compiles it for one level of
+// kernels/cpu/isa.py: 16-float AVX-512 vectors (32 registers) or 8-float AVX2 ones (16).
+//
+// bfloat16 is the top half of a float32, so widening is a 16-bit shift (the low element of a
+// 32-bit pair) or a mask (the high one): AVX2 and plain AVX-512 read bf16 weights at half the
+// bytes of float32 with no conversion instruction. Rounding back is to nearest even.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace simd {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;            // floats per vector
+constexpr int REGISTERS = 32;
+using F = __m512;
+using I = __m512i;
+inline F zero() { return _mm512_setzero_ps(); }
+inline F set1(float x) { return _mm512_set1_ps(x); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline I load_bits(const void* p) { return _mm512_loadu_si512(p); }
+inline F low_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline F high_bf16(I pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+inline void store_bf16(uint16_t* p, F v) {    // W floats -> W bf16, nearest even
+  I bits = _mm512_castps_si512(v);
+  I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int W = 8;
+constexpr int REGISTERS = 16;
+using F = __m256;
+using I = __m256i;
+inline F zero() { return _mm256_setzero_ps(); }
+inline F set1(float x) { return _mm256_set1_ps(x); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline I load_bits(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline F low_bf16(I pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline F high_bf16(I pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+inline void store_bf16(uint16_t* p, F v) {
+  I bits = _mm256_castps_si256(v);
+  I lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  // packus works within 128-bit lanes: [0-3 | 0-3 | 4-7 | 4-7]; gather quads 0 and 2
+  I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+#else
+#error "simd.h needs AVX2+FMA or AVX-512 (kernels/cpu/build.py passes a level's flags)"
+#endif
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace simd

@@ -1,0 +1,107 @@
+"""benchmarks/bench_llamacpp.py: the parts that need no llama.cpp build (flags per level, the
+sdist's tree, llama-bench's JSON, the tokenizer built from BPE ranks, the table)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_llamacpp as bench  # noqa: E402
+
+
+def test_cmake_flags_build_like_with_like():
+    native, avx2 = bench.cmake_flags("native"), bench.cmake_flags("avx2")
+    assert "-DGGML_NATIVE=ON" in native and "-DGGML_AVX2=ON" not in native
+    for flag in ("-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF",
+                 "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_BF16=OFF"):
+        assert flag in avx2
+    assert "-DCMAKE_BUILD_TYPE=Release" in native and "-DCMAKE_BUILD_TYPE=Release" in avx2
+    assert bench.OUR_LEVEL == {"native": None, "avx2": "avx2"}
+    with pytest.raises(ValueError, match="unknown level 'avx512'"):
+        bench.cmake_flags("avx512")
+
+
+def test_the_vendored_tree_is_found_in_an_extracted_sdist(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no vendor/llama.cpp"):
+        bench.vendored_tree(tmp_path)
+    tree = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    tree.mkdir(parents=True)
+    (tree / "convert_hf_to_gguf.py").write_text("")
+    assert bench.vendored_tree(tmp_path) == tree
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "llama_cpp_python-0.3.36").symlink_to(tree.parents[1])
+    assert bench.llamacpp_tree(tmp_path) == tmp_path / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+
+
+def test_llama_bench_json_gives_pp512_and_tg128():
+    out = json.dumps([
+        {"n_prompt": 512, "n_gen": 0, "avg_ts": 94.2, "stddev_ts": 1.5, "n_threads": 2, "cpu_info": "X",
+         "build_commit": "abc"},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 9.3, "stddev_ts": 0.2, "n_threads": 2, "cpu_info": "X",
+         "build_commit": "abc"},
+        {"n_prompt": 512, "n_gen": 128, "avg_ts": 20.0},          # a combined test: not one of ours
+    ])
+    got = bench.parse_llama_bench(out)
+    assert set(got) == {"pp512", "tg128"}
+    assert got["pp512"]["tok_s"] == 94.2 and got["tg128"]["tok_s"] == 9.3 and got["tg128"]["threads"] == 2
+
+
+def tiktoken_file(folder: Path, tokens: list[bytes]) -> Path:
+    path = folder / "tiny.tiktoken"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(tokens)))
+    return path
+
+
+def test_bpe_merges_follow_the_ranks(tmp_path):
+    singles = [bytes([b]) for b in range(256)]
+    tokens = singles + [b"ab", b"abc", b"bc", b"abcd", b" t", b" th", b"he", b" the"]
+    ranks = bench.tiktoken_ranks(tiktoken_file(tmp_path, tokens))
+    assert ranks[b"abc"] == 257 and len(ranks) == len(tokens)
+    merges = bench.bpe_merges(ranks)
+    # "bc" ranks after "abc", so "abc" is ab + c; " the" is " th" + "e" (he ranks below " the", but
+    # BPE over " the" with lower ranks merges " t", then " th", leaving " th" | "e")
+    assert merges == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c"), (b"abc", b"d"), (b" ", b"t"), (b" t", b"h"),
+                      (b"h", b"e"), (b" th", b"e")]
+
+
+def test_the_tokenizer_from_ranks_encodes_as_bpe_and_numbers_specials_after(tmp_path):
+    singles = [bytes([b]) for b in range(256)]
+    tokens = singles + [b"ab", b"abc", b" t", b" th", b"he", b" the", "é".encode()]
+    ranks = bench.tiktoken_ranks(tiktoken_file(tmp_path, tokens))
+    tok = bench.qwen35_tokenizer(ranks, special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    ids = tok.encode("abc the", add_special_tokens=False)
+    assert ids == [257, 261]                                  # "abc", " the"
+    assert tok.encode("e\u0301", add_special_tokens=False) == [262]   # NFC first: é
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [263, 264, 265]
+    assert tok.encode("ab<|im_end|>", add_special_tokens=False) == [256, 265]
+    assert tok.decode(tok.encode("x abc theé", add_special_tokens=False)) == "x abc theé"
+    bench.save_qwen35_tokenizer(tmp_path / "tok", tiktoken_file(tmp_path, tokens))
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "Qwen3_5Tokenizer" and (tmp_path / "tok" / "tokenizer.json").exists()
+
+
+def test_the_checkpoint_names_its_architecture_and_the_table_shows_ratios():
+    config = bench.with_architecture(bench.QWEN35_08B_CONFIG)
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and "architectures" not in bench.QWEN35_08B_CONFIG
+    rows = [{"level": "avx2", "dtype": "float32", "engine": "llama.cpp", "pp512": {"tok_s": 94.0},
+             "tg128": {"tok_s": 9.3}},
+            {"level": "avx2", "dtype": "float32", "engine": "ours", "pp512": {"tok_s": 119.0},
+             "tg128": {"tok_s": 4.65}}]
+    lines = bench.table(rows).splitlines()
+    assert len(lines) == 3 and lines[2].split()[-2:] == ["1.27x", "0.50x"]
+    assert lines[1].split()[:5] == ["avx2", "float32", "llama.cpp", "94.0", "9.3"]
+
+
+def test_cpu_isa_sets_and_restores_the_override(monkeypatch):
+    import os
+    monkeypatch.setenv("HYBRID_ENGINE_CPU_ISA", "none")
+    with bench.cpu_isa("avx2"):
+        assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "avx2"
+    with bench.cpu_isa(None):
+        assert "HYBRID_ENGINE_CPU_ISA" not in os.environ
+    assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "none"
