@@ -5,15 +5,15 @@ import httpx
 import pytest
 
 from checkpoints import make_hf_model, save_checkpoint
-from hybrid_engine import LLM, SamplingParams
-from serve_support import client, running_server
+from hybrid_engine import LLM
+from serve_support import client, offline_params, running_server
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = save_checkpoint(make_hf_model("qwen3_5"), tmp_path_factory.mktemp("ids") / "ckpt")
     llm = LLM(model=str(folder), max_num_seqs=4)
-    with running_server(llm.loop, model_name="ids") as s:
+    with running_server(llm, model_name="ids") as s:
         yield llm, s
     llm.shutdown()
 
@@ -21,7 +21,7 @@ def setup(tmp_path_factory):
 def test_token_id_prompts_without_a_tokenizer(setup):
     llm, server = setup
     prompt = [5, 17, 42, 99]
-    expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    expected = llm.generate(prompt, offline_params(llm, temperature=0.0, max_tokens=6, ignore_eos=True),
                             use_tqdm=False)[0]
     api = client(server)
     kw = dict(model="ids", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})

@@ -36,7 +36,7 @@ def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice],
             raise APIError(400, f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
         max_tokens = check_fits(len(ids), 16 if req.max_tokens is None else req.max_tokens, engine.max_model_len)
         prompt_ids.append(ids)
-        for j, params in enumerate(choice_params(req, max_tokens, req.logprobs)):
+        for j, params in enumerate(choice_params(req, max_tokens, req.logprobs, client.default_params)):
             choices.append(Choice(ids, params, counts_prompt=j == 0))
     return choices, prompt_ids
 
