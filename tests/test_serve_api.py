@@ -155,6 +155,12 @@ def test_logprobs_in_both_formats(llm, api):
     assert [c.logprob for c in content] == pytest.approx([d[t] for d, t in zip(offline.logprobs, offline.token_ids)])
     assert all(len(c.top_logprobs) == 3 for c in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(max(offline.logprobs[0].values()))
+    streamed = []
+    for chunk in api.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0,
+                                             logprobs=True, top_logprobs=3, stream=True):
+        for c in chunk.choices:
+            streamed += [t.logprob for t in (c.logprobs.content if c.logprobs else [])]
+    assert streamed == pytest.approx([c.logprob for c in content])
 
 
 def _post(server, path, body, key=None):

@@ -38,8 +38,10 @@ DEFAULT_MAX_PENDING_REQUESTS = 4096
 
 
 class ServeState:
-    def __init__(self, model_name: str, api_key: str | None, max_pending_requests: int):
-        self.model_name, self.api_key = model_name, api_key
+    """What the routes share: the served name, and the engine client once the model has loaded."""
+
+    def __init__(self, model_name: str, max_pending_requests: int):
+        self.model_name = model_name
         self.max_pending_requests = max_pending_requests
         self.client: EngineClient | None = None
         self.metrics: ServerMetrics | None = None
@@ -59,7 +61,7 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
                default_params: SamplingParams | None = None,
                max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> FastAPI:
     app = FastAPI(title="hybrid-engine", docs_url=None, redoc_url=None, openapi_url=None)
-    state = app.state.serve = ServeState(model_name, api_key, max_pending_requests)
+    state = app.state.serve = ServeState(model_name, max_pending_requests)
     if engine_loop is not None:
         attach_engine(app, engine_loop, default_params)
 
