@@ -119,10 +119,11 @@ def run_in_process(llm, prompts, clients: int, requests: int, max_tokens: int) -
     from threads (the engine loop batches them as it batches HTTP clients)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hybrid_engine import SamplingParams
+    from dataclasses import replace
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)   # warm-up
+    # the server's requests leave every other field to the same defaults (generation_config.json)
+    params = replace(llm.get_default_sampling_params(), temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[0], replace(params, max_tokens=2), use_tqdm=False)   # warm-up
 
     def caller(c: int) -> list:
         return [llm.generate(prompts[(c * requests + r) % len(prompts)], params, use_tqdm=False)[0]

@@ -59,7 +59,7 @@ def run(args) -> int:
         try:
             llm = build_llm(args, args.speculative_tokens)   # ValueError if K > 0 and no MTP head
             loaded["llm"] = llm
-            attach_engine(app, llm.loop)
+            attach_engine(app, llm.loop, llm.get_default_sampling_params())
             print(f"hybrid-engine: serving {name!r} on http://{host}:{port}/v1", file=sys.stderr)
         except Exception as e:   # reported by the main thread once the server has stopped
             loaded["error"] = e

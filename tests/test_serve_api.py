@@ -8,10 +8,10 @@ import httpx
 import openai
 import pytest
 
-from hybrid_engine import LLM, SamplingParams
+from hybrid_engine import LLM
 from hybrid_engine.serve.app import attach_engine, create_app
 from hybrid_engine.serve.server import BackgroundServer
-from serve_support import client, running_server, wait_until_empty
+from serve_support import client, offline_params, running_server, wait_until_empty
 
 PROMPTS = ["def read_config(path):", "import os\n", "class Stack:\n    def push(self, item):"]
 MAX_MODEL_LEN = 256
@@ -26,7 +26,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with running_server(llm.loop) as s:
+    with running_server(llm) as s:
         yield s
 
 
@@ -36,7 +36,7 @@ def api(server):
 
 
 def greedy(llm, prompt, **kw):
-    return llm.generate(prompt, SamplingParams(temperature=0.0, **kw), use_tqdm=False)[0]
+    return llm.generate(prompt, offline_params(llm, temperature=0.0, **kw), use_tqdm=False)[0]
 
 
 def stream_text(stream):
@@ -79,14 +79,14 @@ def test_echo_and_vllm_extras(llm, api):
     r = api.completions.create(model="default", prompt=PROMPTS[1], max_tokens=8, echo=True, temperature=0.7,
                                extra_body={"top_k": 1, "min_p": 0.05, "repetition_penalty": 1.0,
                                            "min_tokens": 8, "ignore_eos": True})
-    expected = greedy(llm, PROMPTS[1], max_tokens=8, min_tokens=8, ignore_eos=True)   # top_k 1 is greedy
+    expected = greedy(llm, PROMPTS[1], max_tokens=8, min_tokens=8, ignore_eos=True, repetition_penalty=1.0)   # top_k 1: greedy
     assert r.choices[0].text == PROMPTS[1] + expected.text
     assert r.usage.completion_tokens == 8
 
 
 def test_chat_equals_llm_chat_and_streams_the_same(llm, api):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
-    expected = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    expected = llm.chat(messages, offline_params(llm, temperature=0.0, max_tokens=16), use_tqdm=False)[0]
     r = api.chat.completions.create(model="default", messages=messages, max_tokens=16, temperature=0)
     assert r.choices[0].message.content == expected.text
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == expected.finish_reason
@@ -107,12 +107,12 @@ def test_n_with_a_seed_is_reproducible(llm, api):
     texts = [c.text for c in first.choices]
     assert texts == [c.text for c in again.choices]
     # choice i is the request with seed + i
-    offline = [llm.generate(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i),
+    offline = [llm.generate(PROMPTS[2], offline_params(llm, temperature=1.0, max_tokens=10, seed=11 + i),
                             use_tqdm=False)[0].text for i in range(3)]
     assert texts == offline
     assert len(set(texts)) > 1
     assert first.usage.completion_tokens == sum(len(o.token_ids) for o in llm.generate(
-        [PROMPTS[2]] * 3, [SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i) for i in range(3)],
+        [PROMPTS[2]] * 3, [offline_params(llm, temperature=1.0, max_tokens=10, seed=11 + i) for i in range(3)],
         use_tqdm=False))
     streamed = ["", "", ""]
     for chunk in api.completions.create(**kw, stream=True):
@@ -148,13 +148,19 @@ def test_logprobs_in_both_formats(llm, api):
     tok = llm.tokenizer
     assert lp.tokens == [tok.decode([t]) for t in expected.token_ids]
     messages = [{"role": "user", "content": "x = 1"}]
-    offline = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
+    offline = llm.chat(messages, offline_params(llm, temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
     r = api.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0,
                                     logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert [c.logprob for c in content] == pytest.approx([d[t] for d, t in zip(offline.logprobs, offline.token_ids)])
     assert all(len(c.top_logprobs) == 3 for c in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(max(offline.logprobs[0].values()))
+    streamed = []
+    for chunk in api.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0,
+                                             logprobs=True, top_logprobs=3, stream=True):
+        for c in chunk.choices:
+            streamed += [t.logprob for t in (c.logprobs.content if c.logprobs else [])]
+    assert streamed == pytest.approx([c.logprob for c in content])
 
 
 def _post(server, path, body, key=None):
@@ -206,7 +212,7 @@ def test_bad_parameters_through_the_openai_client(api):
 
 
 def test_api_key(llm):
-    with running_server(llm.loop, api_key="sesame") as s:
+    with running_server(llm, api_key="sesame") as s:
         assert client(s, "sesame").completions.create(model="default", prompt="x", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             client(s, "wrong").models.list()
@@ -268,3 +274,14 @@ def test_overloaded_is_503_and_clears(llm):
         assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
         assert app.state.serve.client.num_pending == 0
         assert len(client(s).completions.create(model="default", prompt="x", max_tokens=2, n=2).choices) == 2
+
+
+def test_missing_fields_take_the_generation_config_defaults(llm, api):
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.repetition_penalty) == (0.0, 1.2)   # the default model's file
+    r = api.completions.create(model="default", prompt=PROMPTS[1], max_tokens=12)
+    assert r.choices[0].text == llm.generate(PROMPTS[1], offline_params(llm, max_tokens=12), use_tqdm=False)[0].text
+    plain = api.completions.create(model="default", prompt=PROMPTS[1], max_tokens=12,
+                                   extra_body={"repetition_penalty": 1.0})
+    unpenalised = llm.generate(PROMPTS[1], offline_params(llm, max_tokens=12, repetition_penalty=1.0), use_tqdm=False)
+    assert plain.choices[0].text == unpenalised[0].text != r.choices[0].text

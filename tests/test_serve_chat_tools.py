@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     llm = LLM(model=str(make_chat_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt")), max_num_seqs=4)
-    with running_server(llm.loop, model_name="chat") as s:
+    with running_server(llm, model_name="chat") as s:
         yield s
     llm.shutdown()
 

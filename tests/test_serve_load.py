@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from hybrid_engine import LLM, SamplingParams
-from serve_support import cache_usage, client, running_server, wait_until_empty
+from hybrid_engine import LLM
+from serve_support import cache_usage, client, offline_params, running_server, wait_until_empty
 
 WORDS = ["def", "class", "import", "return", "for", "while", "if", "with", "try", "yield", "lambda", "print"]
 PROMPTS = [f"{WORDS[i % 12]} {WORDS[(i * 5 + 1) % 12]}_{i}(" for i in range(64)]
@@ -38,8 +38,8 @@ async def _stream_one(api, prompt: str) -> tuple[str, str]:
 
 def test_64_concurrent_streams_equal_offline_greedy(llms):
     plain, mtp = llms
-    expected = plain.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    with running_server(plain.loop) as s_plain, running_server(mtp.loop) as s_mtp:
+    expected = plain.generate(PROMPTS, offline_params(plain, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    with running_server(plain) as s_plain, running_server(mtp) as s_mtp:
         apis = [client(s_plain, asynchronous=True), client(s_mtp, asynchronous=True)]
 
         async def run_all():
@@ -81,7 +81,7 @@ def record_aborts(engine, monkeypatch) -> list:
 def test_20_clients_disconnecting_mid_stream_leak_nothing(llms, monkeypatch):
     plain, _ = llms
     aborted = record_aborts(plain.engine, monkeypatch)
-    with running_server(plain.loop) as server:
+    with running_server(plain) as server:
         async def disconnect_after_two_chunks(http: httpx.AsyncClient, i: int) -> int:
             body = {"model": "default", "prompt": PROMPTS[i], "max_tokens": 2000, "ignore_eos": True,
                     "temperature": 0, "stream": True}
@@ -110,7 +110,7 @@ def test_20_clients_disconnecting_mid_stream_leak_nothing(llms, monkeypatch):
 def test_a_non_streaming_client_that_gives_up_is_aborted(llms, monkeypatch):
     plain, _ = llms
     aborted = record_aborts(plain.engine, monkeypatch)
-    with running_server(plain.loop) as server:
+    with running_server(plain) as server:
         body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True, "n": 2}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)

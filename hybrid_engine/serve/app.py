@@ -1,7 +1,10 @@
 """The FastAPI app: routes, the API key, and OpenAI-style errors.
 
     app = create_app(engine_loop, model_name="m", api_key=None)   # engine_loop None: still loading
-    attach_engine(app, engine_loop)                                # /health turns 200
+    attach_engine(app, engine_loop, default_params)                # /health turns 200
+
+default_params: what a request's missing sampling fields take (LLM.get_default_sampling_params:
+the model's generation_config.json); SamplingParams() when not given.
 
 Request bodies are read and validated here (protocol.py, strict), not by FastAPI's own
 parsing, so every problem comes back as one OpenAI error body naming the field. A generation
@@ -19,6 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybrid_engine.sampling_params import SamplingParams
+
 from . import chat, completions
 from .chat_template import render_chat
 from .engine_client import EngineClient
@@ -33,8 +38,10 @@ DEFAULT_MAX_PENDING_REQUESTS = 4096
 
 
 class ServeState:
-    def __init__(self, model_name: str, api_key: str | None, max_pending_requests: int):
-        self.model_name, self.api_key = model_name, api_key
+    """What the routes share: the served name, and the engine client once the model has loaded."""
+
+    def __init__(self, model_name: str, max_pending_requests: int):
+        self.model_name = model_name
         self.max_pending_requests = max_pending_requests
         self.client: EngineClient | None = None
         self.metrics: ServerMetrics | None = None
@@ -51,11 +58,12 @@ class ServeState:
 
 
 def create_app(engine_loop=None, model_name: str = "default", api_key: str | None = None,
+               default_params: SamplingParams | None = None,
                max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> FastAPI:
     app = FastAPI(title="hybrid-engine", docs_url=None, redoc_url=None, openapi_url=None)
-    state = app.state.serve = ServeState(model_name, api_key, max_pending_requests)
+    state = app.state.serve = ServeState(model_name, max_pending_requests)
     if engine_loop is not None:
-        attach_engine(app, engine_loop)
+        attach_engine(app, engine_loop, default_params)
 
     if api_key is not None:
         app.add_middleware(APIKeyCheck, api_key=api_key)
@@ -143,11 +151,12 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
     return app
 
 
-def attach_engine(app: FastAPI, engine_loop) -> None:
+def attach_engine(app: FastAPI, engine_loop, default_params: SamplingParams | None = None) -> None:
     """The model has loaded: serve it."""
     state: ServeState = app.state.serve
     state.metrics = ServerMetrics(state.model_name, engine_loop.engine.num_speculative_tokens)
-    state.client = EngineClient(engine_loop, state.metrics, state.max_pending_requests)
+    state.client = EngineClient(engine_loop, state.metrics, state.max_pending_requests,
+                                default_params or SamplingParams())
 
 
 async def _parse(request: Request, model_cls):

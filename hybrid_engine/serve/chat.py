@@ -46,7 +46,7 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_fits(len(ids), req.max_completion_tokens or req.max_tokens, engine.max_model_len, field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    choices = [Choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(choice_params(req, max_tokens, logprobs))]
+    choices = [Choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(choice_params(req, max_tokens, logprobs, client.default_params))]
     vocab = tok.get_vocab()
     reasoning = THINK_START in vocab and THINK_END in vocab
     return ChatPlan(choices, ids, reasoning=reasoning,

@@ -36,20 +36,19 @@ def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice],
             raise APIError(400, f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
         max_tokens = check_fits(len(ids), 16 if req.max_tokens is None else req.max_tokens, engine.max_model_len)
         prompt_ids.append(ids)
-        for j, params in enumerate(choice_params(req, max_tokens, req.logprobs)):
+        for j, params in enumerate(choice_params(req, max_tokens, req.logprobs, client.default_params)):
             choices.append(Choice(ids, params, counts_prompt=j == 0))
     return choices, prompt_ids
 
 
-def _echo_text(client: EngineClient, ids: list[int]) -> str:
+def _as_text(client: EngineClient, ids: list[int]) -> str:
     tok = client.engine.tokenizer
-    return tok.decode(ids) if tok is not None else ""
+    # no tokenizer: the ids, each followed by a space
+    return tok.decode(ids) if tok is not None else "".join(f"{t} " for t in ids)
 
 
 def _text(client: EngineClient, out) -> str:
-    if client.engine.tokenizer is None:   # no tokenizer: the ids, each followed by a space
-        return "".join(f"{t} " for t in out.token_ids)
-    return out.text
+    return out.text if client.engine.tokenizer is not None else _as_text(client, out.token_ids)
 
 
 async def complete(req: CompletionRequest, client: EngineClient, model: str) -> CompletionResponse:
@@ -66,7 +65,7 @@ async def complete(req: CompletionRequest, client: EngineClient, model: str) -> 
     tok = client.engine.tokenizer
     result = []
     for index, out in enumerate(final):
-        echo = _echo_text(client, prompt_ids[index // req.n]) if req.echo else ""
+        echo = _as_text(client, prompt_ids[index // req.n]) if req.echo else ""
         logprobs = None
         if req.logprobs is not None and tok is not None:
             logprobs = completion_logprobs(tok, out.token_ids, out.logprobs or [], req.logprobs)
@@ -104,10 +103,10 @@ async def _events(req, client, model, rid, gen, choices, prompt_ids) -> AsyncIte
     try:
         if req.echo:
             for index in range(len(choices)):
-                yield chunk(index, _echo_text(client, prompt_ids[index // req.n]))
+                yield chunk(index, _as_text(client, prompt_ids[index // req.n]))
         async for index, out in gen:
             if tok is None:
-                text = "".join(f"{t} " for t in out.new_token_ids)
+                text = _as_text(client, out.new_token_ids)
             else:
                 text = texts[index].delta(out.text, out.finished)
             logprobs = None

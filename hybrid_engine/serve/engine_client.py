@@ -29,8 +29,10 @@ class Choice:
 
 
 class EngineClient:
-    def __init__(self, engine_loop, metrics: ServerMetrics, max_pending_requests: int):
+    def __init__(self, engine_loop, metrics: ServerMetrics, max_pending_requests: int,
+                 default_params: SamplingParams):
         self.engine_loop = engine_loop
+        self.default_params = default_params   # for the sampling fields a request leaves out
         self.engine = engine_loop.engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests

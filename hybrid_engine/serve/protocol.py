@@ -47,8 +47,8 @@ class SamplingFields(_Request):
     n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,6 +60,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class UsageInfo(_Response):

@@ -2,11 +2,15 @@
 
 Values are passed through as given: the engine's validation (at submit) names a bad field
 in its ValueError, which becomes the 400's message. Only what the engine has no field for is
-refused here. `n` choices are n engine requests; with a seed, choice i uses seed + i, so
+refused here. A sampling field the request leaves out takes the server's default, which the
+CLI reads from the model's generation_config.json (LLM.get_default_sampling_params), as
+`vllm serve` does; so a request equals LLM.generate with the same fields. `n` choices are n engine requests; with a seed, choice i uses seed + i, so
 the n choices differ from each other and the whole response is reproducible.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from hybrid_engine.sampling_params import SamplingParams
 
@@ -14,21 +18,22 @@ from .errors import APIError
 from .protocol import SamplingFields
 
 
-def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+# Request fields that fall back to the server's defaults when not given.
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")
+
+
+def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                  defaults: SamplingParams) -> list[SamplingParams]:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    given = {name: getattr(req, name) for name in DEFAULTED if getattr(req, name) is not None}
     out = []
     for i in range(req.n):
-        out.append(SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            max_tokens=max_tokens, min_tokens=req.min_tokens,
-            seed=None if req.seed is None else req.seed + i,
-            stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs))
+        out.append(replace(
+            defaults, **given, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            seed=None if req.seed is None else req.seed + i, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output))
     return out
 
 

@@ -1,9 +1,10 @@
 """Helpers of the serve tests: an HTTP server on 127.0.0.1 (a free port) in a thread, and
-reading the engine's cache usage through its loop thread."""
+reading the engine's cache usage through its loop thread, and the offline reference params."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from contextlib import contextmanager
 
 import openai
@@ -13,11 +14,17 @@ from hybrid_engine.serve.server import BackgroundServer
 
 
 @contextmanager
-def running_server(engine_loop, model_name: str = "default", api_key: str | None = None):
-    app = create_app(engine_loop, model_name=model_name, api_key=api_key)
+def running_server(llm, model_name: str = "default", api_key: str | None = None):
+    """The app on llm's engine loop, with llm's default sampling params, as `hybrid-engine serve` makes it."""
+    app = create_app(llm.loop, model_name=model_name, api_key=api_key, default_params=llm.get_default_sampling_params())
     with BackgroundServer(app, host="127.0.0.1", port=0) as server:
         server.app = app
         yield server
+
+
+def offline_params(llm, **fields):
+    """What a request with these fields means: the defaults (generation_config.json) updated."""
+    return replace(llm.get_default_sampling_params(), **fields)
 
 
 def client(server, api_key: str = "none", asynchronous: bool = False):
