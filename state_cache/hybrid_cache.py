@@ -166,17 +166,25 @@ class HybridCacheManager:
     def match_prefix(self, block_hashes: list[bytes], max_tokens: int) -> PrefixHit | None:
         """The longest cached prefix of at most max_tokens tokens: every block of it cached (in
         order, by chain hash) and a checkpoint at its end. Changes nothing."""
-        blocks = []
-        for h in block_hashes[:max(max_tokens, 0) // self.spec.block_size]:
-            block = self._blocks.lookup(h)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self._cached_chain(block_hashes[:max(max_tokens, 0) // self.spec.block_size])
         for n in range(len(blocks), 0, -1):
             checkpoint = self.checkpoints.find(block_hashes[n - 1])
             if checkpoint is not None:
                 return PrefixHit(n * self.spec.block_size, blocks[:n], checkpoint)
         return None
+
+    def _cached_chain(self, block_hashes: list[bytes]) -> list[int]:
+        blocks = []
+        for h in block_hashes:
+            block = self._blocks.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of this chain are cached, checkpoint or not."""
+        return len(self._cached_chain(block_hashes))
 
     def has_checkpoint(self, key: bytes) -> bool:
         return self.checkpoints.find(key) is not None
