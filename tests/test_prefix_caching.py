@@ -4,6 +4,7 @@ how many tokens shared prompts compute, leaks under aborts, and eviction before 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -214,3 +215,15 @@ def test_cached_entries_are_evicted_before_any_running_request_is_preempted(ckpt
     llm.generate(work, params, use_tqdm=False)
     assert llm.engine.num_preemptions == 0
     assert_prefix_cache_empty(llm.engine)
+
+
+def test_inspect_verify_prefix_compares_a_hit_with_a_recompute(ckpts, tmp_path):
+    from hybrid_engine.cli import main
+
+    report = tmp_path / "prefix.json"
+    prompt = " ".join(str(t) for t in range(3, 40))
+    assert main(["inspect", "--model", ckpts["qwen3_5"], "--verify-prefix", "--speculative-tokens", "2",
+                 "--max-tokens", "20", prompt, "7 8 9", "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert r["ok"] and r["cached_tokens"] == 48 and r["max_abs_state_delta"] <= 1e-5
+    assert r["prefix_cache"]["hits"] == 1 and 48 in r["prefix_cache"]["checkpoint_lengths"]
