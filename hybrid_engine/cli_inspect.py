@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .cli import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
                   console, dtype_name, encode_prompts, read_prompts, sampling_params, write_json)
+from .cli_inspect_prefix import prefix_report, verify_prefix
 
 NAME = "inspect"
 HELP = "inspect pools, block tables, slots and per-layer state; snapshots and their diff"
@@ -47,7 +48,10 @@ def add_arguments(parser) -> None:
                         help="save every live request's per-layer state (safetensors) at the last step shown")
     parser.add_argument("--verify-rewind", action="store_true",
                         help="compare the committed state of speculative and plain greedy runs after every step")
-    parser.add_argument("--atol", type=float, default=1e-5, help="tolerance for --verify-rewind (default: 1e-5)")
+    parser.add_argument("--verify-prefix", action="store_true",
+                        help="compare the state and logits after a prefix-cache hit with a full recompute")
+    parser.add_argument("--atol", type=float, default=1e-5,
+                        help="tolerance for --verify-rewind / --verify-prefix (default: 1e-5)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON ('-' = stdout)")
     add_sampling_arguments(parser, max_tokens=16, full=False)
     add_engine_arguments(parser, dtype_default=None,
@@ -68,6 +72,9 @@ def run(args) -> int:
         raise CLIError(f"--atol must be >= 0, got {args.atol}")
     if args.step is not None and args.step < 1:
         raise CLIError(f"--step must be >= 1, got {args.step}")
+    if args.verify_prefix:
+        return verify_prefix(args, lambda llm: encode_prompts(
+            llm, read_prompts(args, stdin_fallback=False) or _default_prompts(llm)))
     return _verify_rewind(args) if args.verify_rewind else _inspect(args)
 
 
@@ -164,7 +171,7 @@ def _step_report(engine, step: int, finished: dict, states: dict) -> dict:
         for key in sorted(tensors, key=lambda key: layer_depth(key.rpartition("/")[0])):
             layer, _, tensor = key.rpartition("/")
             layers.append({"request": rid, "layer": layer, "tensor": tensor, **tensor_stats(tensors[key])})
-    return {"step": step, "finished": dict(finished), "pools": _pools(engine),
+    return {"step": step, "finished": dict(finished), "pools": _pools(engine), "prefix_cache": prefix_report(engine),
             "requests": [_request_row(engine, rid, req) for rid, req in engine.requests.items()],
             "layers": layers}
 
@@ -206,6 +213,12 @@ def _print_step(out, report: dict, engine) -> None:
     out.print(f"\n[bold]step {report['step']}[/bold]  |  {engine.config.model}  |  "
               f"{'MTP k=' + str(k) if k else 'no speculation'}  |  finished: {done}")
     out.print(_pools_table(report["pools"]))
+    if report["prefix_cache"] is not None:
+        p = report["prefix_cache"]
+        out.print(f"prefix cache: {p['blocks_cached']} cached blocks ({p['blocks_cached_idle']} idle), "
+                  f"{p['checkpoints_held']} of {p['checkpoints_total']} checkpoints at lengths "
+                  f"{p['checkpoint_lengths']} ({p['checkpoints_pending']} pending); {p['queries']} queries, "
+                  f"{p['hits']} hits, {p['hit_tokens']} hit tokens ({100 * p['hit_rate']:.0f}%)")
     if not report["requests"]:
         out.print("no live requests")
         return

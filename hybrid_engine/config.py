@@ -32,6 +32,15 @@ class EngineConfig:
     # oneDNN (models/linear.py); eager and compiled steps both use it. Costs one more bf16
     # weight-size of memory; False saves it.
     bf16_few_rows_copy: bool = True
+    # Automatic prefix caching (hybrid_engine/prefix_caching.py): full KV blocks are shared by
+    # content and GDN states are checkpointed at block boundaries, so a request whose prompt
+    # starts like an earlier one computes only the rest.
+    enable_prefix_caching: bool = False
+    # GDN checkpoints kept (None: 2 per sequence); each costs one state slot plus a hidden
+    # vector (about 1,000 tokens of KV at Qwen3.5-0.8B dims), inside cache_memory_bytes.
+    prefix_checkpoints: int | None = None
+    # Also checkpoint every this many tokens of a prefill (a multiple of block_size; None: no).
+    prefix_checkpoint_interval: int | None = None
 
     def validate(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -54,7 +63,7 @@ class EngineConfig:
         if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
                                                     or self.cache_memory_bytes <= 0):
             raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
-        for name in ("enforce_eager", "enable_torch_compile", "bf16_few_rows_copy"):
+        for name in ("enforce_eager", "enable_torch_compile", "bf16_few_rows_copy", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes
@@ -62,6 +71,14 @@ class EngineConfig:
                 isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
             raise ValueError(f"cuda_graph_batch_sizes must be a non-empty list of ints in 1..max_num_seqs "
                              f"({self.max_num_seqs}), got {sizes!r}")
+        n = self.prefix_checkpoints
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"prefix_checkpoints must be a positive int or None, got {n!r}")
+        every = self.prefix_checkpoint_interval
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1
+                                  or every % self.block_size):
+            raise ValueError(f"prefix_checkpoint_interval must be a positive multiple of block_size "
+                             f"({self.block_size}) or None, got {every!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
 

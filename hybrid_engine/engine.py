@@ -17,13 +17,14 @@ import time
 import torch
 
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
-from hybrid_engine.state_cache import CacheSpec, HybridCacheManager
+from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
 
 from .config import EngineConfig
 from .compiled_steps import CompiledSteps
 from .decode_graphs import DecodeGraphs, default_buckets, graphs_supported
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prefix_caching import PrefixCaching
 from .request import Request
 from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
@@ -39,7 +40,9 @@ from hybrid_engine.spec_decode.verifier import accept_greedy, accept_sampled
 DEFAULT_KV_TOKENS_PER_SEQ = 4096
 
 
-def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int) -> CacheSpec:
+def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int,
+                   checkpoint_hidden: bool = False) -> CacheSpec:
+    """checkpoint_hidden: prefix checkpoints keep a hidden state, for the MTP layer."""
     dtype = model.embed_tokens.weight.dtype
     return CacheSpec(
         num_attention_layers=model.num_kv_layers, num_kv_heads=cfg.num_key_value_heads,
@@ -48,6 +51,7 @@ def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int) 
         conv_kernel=cfg.linear_conv_kernel_dim, num_v_heads=cfg.linear_num_value_heads,
         key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
         conv_dtype=dtype, state_dtype=torch.float32,
+        hidden_size=cfg.hidden_size if checkpoint_hidden else 0,
     )
 
 
@@ -84,7 +88,9 @@ class LLMEngine:
         if config.max_num_batched_tokens < config.max_num_seqs * (1 + k):
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs * (1 + num_speculative_tokens) = {config.max_num_seqs * (1 + k)}")
-        spec = cache_spec_for(self.model_config, self.model, config.block_size)
+        prefix_on = config.enable_prefix_caching
+        spec = cache_spec_for(self.model_config, self.model, config.block_size, checkpoint_hidden=prefix_on and k > 0)
+        num_checkpoints = (config.prefix_checkpoints or 2 * config.max_num_seqs) if prefix_on else 0
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:   # refused as vLLM does
             raise ValueError(f"max_model_len ({max_len}) is greater than the model's max_position_embeddings "
@@ -96,14 +102,19 @@ class LLMEngine:
             budget = config.max_num_seqs * ((1 + k) * spec.bytes_per_slot
                                             + per_seq_blocks * spec.bytes_per_block)
             budget += spec.bytes_per_slot                      # the cache's pad_slot
-        # Draft slots are part of the budget: each request holds 1 + k state slots.
-        self.cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs, k, device=config.device)
+            budget += num_checkpoints * CheckpointPool.bytes_per_checkpoint(spec)
+        # Draft slots are part of the budget: each request holds 1 + k state slots. With MTP the
+        # MTP layer rewrites its KV at a prefix hit's last position: that block is copied, not shared.
+        self.cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs, k, device=config.device,
+                                                    num_checkpoints=num_checkpoints, copy_last_hit_block=k > 0)
+        self.prefix = (PrefixCaching(self.cache, config.block_size, config.prefix_checkpoint_interval)
+                       if prefix_on else None)
         # A request can never hold more tokens than the whole KV pool, including the 2k
         # positions a verify step and the drafting after it may touch past its length.
         self.max_model_len = min(max_len, self.cache.num_blocks * config.block_size - 2 * k)
         if self.max_model_len < 2:
             raise ValueError("cache_memory_bytes leaves room for fewer than 2 tokens per request")
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, k)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, k, self.prefix)
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device)
@@ -112,7 +123,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
         self.drafter = MTPDrafter(self.model, self.cache, k, self.builder, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
-        self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats)
+        self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats, self.prefix)
         self.sampler = Sampler()
         # The engine's seed reaches every unseeded request as a seed of its own, drawn in
         # arrival order: the same calls give the same samples run to run (vLLM's LLM(seed=...)),
@@ -234,6 +245,16 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def prefix_cache_stats(self) -> dict | None:
+        """Prefix cache counters since start-up and what it holds now; None when it is off."""
+        if self.prefix is None:
+            return None
+        u = self.cache.usage()
+        return {**self.prefix.stats.as_dict(), "blocks_cached": u["blocks_cached"],
+                "checkpoints_held": u["checkpoints_published"], "checkpoints_pending": u["checkpoints_pending"],
+                "checkpoint_lengths": sorted(c.num_tokens for c in self.cache.checkpoints.published())}
+
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward for the whole mixed batch; returns outputs of requests that advanced."""
@@ -250,6 +271,8 @@ class LLMEngine:
         hidden, logits = self.runner.forward(inputs)
         results = self._sample(inputs, logits)
         drafts = self._draft(results, hidden)
+        if self.prefix is not None:
+            self.prefix.take_checkpoints(results, hidden)
         outputs = self.updater.update(StepOutput(results, drafts))
         for out in outputs:
             if out.finished:
@@ -303,13 +326,20 @@ class LLMEngine:
         tokens past the known ones are this step's emitted tokens (not appended yet). None for a
         request this step finishes by length: its drafts would be thrown away."""
         seg, req, emitted = result.segment, result.segment.request, result.token_ids
-        if emitted and (len(req.output_token_ids) + len(emitted) >= req.params.max_tokens
-                        or req.num_tokens + len(emitted) >= self.max_model_len):
+        finishing = bool(emitted) and (len(req.output_token_ids) + len(emitted) >= req.params.max_tokens
+                                       or req.num_tokens + len(emitted) >= self.max_model_len)
+        if finishing and self.prefix is None:
             return None
+        # With prefix caching the MTP KV of every committed position is kept: later hits share it.
         n = len(emitted) if seg.is_decode else seg.num_tokens
-        next_tokens = req.token_ids_in(seg.start + 1, seg.start + n + 1 - len(emitted)) + emitted
-        return CatchUp(req.request_id, seg.start, next_tokens, hidden[seg.first_row:seg.first_row + n],
-                       draft=seg.samples)
+        start, rows = seg.start, hidden[seg.first_row:seg.first_row + n]
+        hit_hidden = None if seg.is_decode or self.prefix is None else self.cache.take_hit_hidden(req.request_id)
+        if hit_hidden is not None:
+            # After a prefix hit at L: the MTP entry at L - 1 pairs the cached h_{L-1} with this
+            # request's token L, which the cached block's entry may not (one MTP token, not a block).
+            start, n, rows = start - 1, n + 1, torch.cat([hit_hidden[None].to(rows.dtype), rows])
+        next_tokens = req.token_ids_in(start + 1, start + n + 1 - len(emitted)) + emitted
+        return CatchUp(req.request_id, start, next_tokens, rows, draft=seg.samples and not finishing)
 
     def _sampling_row(self, req: Request, extra: list[int] = ()) -> SamplingRow:
         """`extra`: tokens accepted earlier in the same verify, not yet appended. Only penalties

@@ -27,7 +27,8 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
                  enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True,
-                 generation_config: str = "auto"):
+                 enable_prefix_caching: bool = False, prefix_checkpoints: int | None = None,
+                 prefix_checkpoint_interval: int | None = None, generation_config: str = "auto"):
         """generation_config: "auto" takes the default sampling parameters (used when a call
         gives none) from the model folder's generation_config.json; "vllm" ignores that file
         (vLLM's flag and values)."""
@@ -38,7 +39,9 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, cache_memory_bytes=cache_memory_bytes,
             speculative_config=speculative_config, max_model_len=max_model_len, device=device, seed=seed,
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
-            enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy)))
+            enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy,
+            enable_prefix_caching=enable_prefix_caching, prefix_checkpoints=prefix_checkpoints,
+            prefix_checkpoint_interval=prefix_checkpoint_interval)))
         self._generation_defaults = (load_generation_defaults(self.engine.config.model)
                                      if generation_config == "auto" else {})
 

@@ -48,3 +48,4 @@ class RequestOutput:
     # Streaming deltas: what this step added.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (vLLM's name)

@@ -62,6 +62,10 @@ class Request:
     # from the drafter's output), and per-request counters.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_stats: "SpecStats | None" = None
+    # Prefix caching (hybrid_engine/prefix_caching.py): the chain hash of each full block of the
+    # tokens, and how many prompt tokens the cache served.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def token_ids_in(self, start: int, end: int) -> list[int]:

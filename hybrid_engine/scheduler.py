@@ -10,6 +10,11 @@ Every step re-chooses the batch under `max_num_seqs` and `max_num_batched_tokens
    does not fit, so a large old request is never overtaken, and at a request preempted in
    this same call (readmitting it at once would free and retake its memory for nothing).
 
+With prefix caching (hybrid_engine/prefix_caching.py) an admitted request starts from the
+longest cached prefix, a prefill chunk ends where a GDN checkpoint is wanted, and a request
+whose prefix a running prefill is about to checkpoint waits for it (in order, as any other
+request that does not fit yet).
+
 A running request's KV reservation only grows: blocks past its committed length (rejected
 drafts, the drafter's lookahead) stay with it for the next step (state_cache/hybrid_cache.py).
 The outcome of a step (tokens, stops, commits, frees) is applied by hybrid_engine/step_update.py.
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 from hybrid_engine.state_cache import HybridCacheManager
 
+from .prefix_caching import PrefixCaching
 from .request import Request, RequestStatus
 
 
@@ -42,8 +48,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, cache: HybridCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, prefix: PrefixCaching | None = None):
         self.cache = cache
+        self.prefix = prefix
         # With k drafts a request holds k draft state slots, and a step that samples reserves
         # KV for k-1 positions past its tokens, where the MTP drafts after the step.
         self.num_draft_slots = num_speculative_tokens
@@ -73,7 +80,9 @@ class Scheduler:
             n = 1 + len(req.draft_token_ids) if is_decode else min(need, budget)
             if n == 0 or budget < n:
                 continue
-            total = self._tokens_to_hold(req, n)
+            if self.prefix is not None and not is_decode:
+                n = self.prefix.plan_chunk(req, req.num_computed_tokens, n, self._queued())
+            total = self._tokens_to_hold(req, req.num_computed_tokens, n)
             if not self._make_room(req, total, batch):
                 continue
             self.cache.grow(req.request_id, max(total, self.cache.get(req.request_id).num_tokens))
@@ -86,11 +95,22 @@ class Scheduler:
             req = self.waiting[0]
             if req in batch.preempted:
                 break
-            n = min(req.num_uncomputed_tokens, budget)
-            total = self._tokens_to_hold(req, n)
-            if not self.cache.can_admit(total, self.num_draft_slots):
+            hit = None
+            if self.prefix is not None:
+                hit = self.prefix.match(req)
+                if self.prefix.should_wait(req, hit, self.running):
+                    break
+            start = hit.num_tokens if hit is not None else 0
+            n = min(req.num_tokens - start, budget)
+            if self.prefix is not None:
+                n = self.prefix.plan_chunk(req, start, n, self._queued())
+            total = self._tokens_to_hold(req, start, n)
+            if not self.cache.can_admit(total, self.num_draft_slots, hit):
                 break
-            self.cache.allocate(req.request_id, total, self.num_draft_slots)
+            self.cache.allocate(req.request_id, total, self.num_draft_slots, hit)
+            req.num_computed_tokens = start
+            if self.prefix is not None:
+                self.prefix.admitted(req, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -98,9 +118,12 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _tokens_to_hold(self, req: Request, n: int) -> int:
-        samples = req.num_computed_tokens + n >= req.num_tokens
-        return req.num_computed_tokens + n + (self.lookahead if samples else 0)
+    def _tokens_to_hold(self, req: Request, start: int, n: int) -> int:
+        samples = start + n >= req.num_tokens
+        return start + n + (self.lookahead if samples else 0)
+
+    def _queued(self) -> list[Request]:
+        return [*self.running, *self.waiting]
 
     def _make_room(self, req: Request, new_num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt the newest running requests until `req` can grow; False if `req` itself went."""
@@ -114,7 +137,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.cache.free(req.request_id)
+        self._free(req)
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = RequestStatus.WAITING
@@ -129,5 +152,11 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if self.cache.has(req.request_id):
-            self.cache.free(req.request_id)
+            self._free(req)
         req.status = RequestStatus.FINISHED
+
+    def _free(self, req: Request) -> None:
+        """Frees the request's memory; with prefix caching its committed blocks stay cached."""
+        if self.prefix is not None:
+            self.prefix.before_free(req)
+        self.cache.free(req.request_id)

@@ -21,6 +21,7 @@ from hybrid_engine.spec_decode.stats import SpecStats
 from hybrid_engine.state_cache import HybridCacheManager
 
 from .outputs import Prefix, RequestOutput
+from .prefix_caching import PrefixCaching
 from .request import Request
 from .scheduler import Scheduler
 from .step_inputs import Segment
@@ -45,17 +46,20 @@ class StepOutput:
 
 class StepUpdater:
     def __init__(self, scheduler: Scheduler, cache: HybridCacheManager, max_model_len: int,
-                 spec_stats: SpecStats | None):
+                 spec_stats: SpecStats | None, prefix: PrefixCaching | None = None):
         self.scheduler = scheduler
         self.cache = cache
         self.max_model_len = max_model_len
         self.spec_stats = spec_stats     # the engine's totals, next to each request's own
+        self.prefix = prefix
 
     def update(self, step: StepOutput) -> list[RequestOutput]:
         outputs = []
         for result in step.results:
             req = result.segment.request
             self._commit(result)
+            if self.prefix is not None:
+                self.prefix.cache_blocks(req)
             new = []
             for tok, lp in zip(result.token_ids, result.logprobs):
                 new.append(tok)
@@ -171,5 +175,5 @@ def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOu
                  "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
                  "num_preemptions": req.num_preemptions,
                  "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
-        new_token_ids=new_ids, new_text=new_text,
+        new_token_ids=new_ids, new_text=new_text, num_cached_tokens=req.num_cached_tokens,
     )

@@ -20,6 +20,16 @@ One extra slot, `pad_slot`, belongs to no request: the padding rows of a CUDA-gr
 step (hybrid_engine/decode_graphs.py) read it and write nowhere, so a padded row can never
 race a real row for a state. It is part of the pools and of the byte budget.
 
+Prefix caching (state_cache/prefix_blocks.py, state_cache/checkpoints.py): a request's
+committed full blocks are registered under their chain hashes (`cache_blocks`) and stay cached
+after it frees them, until their memory is needed; GDN checkpoints are written from a
+request's slots (`save_checkpoint`). `match_prefix` finds the longest cached prefix with a
+checkpoint at its end, and `allocate(..., hit=...)` starts a request there: it shares the
+hit's blocks (counted once by admission), copies the checkpoint into its own slot and starts
+with the hit's tokens committed. A shared block is never written: a request writes only at
+positions past its committed length, and with `copy_last_hit_block` (MTP, whose KV entry at
+the hit's last position depends on the token after it) a hit's last block is copied, not shared.
+
 Slot contents are NOT zeroed on allocate: a new slot holds whatever its last owner left.
 The model must treat a request's first prefill chunk as having no initial state (the
 per-request has_initial_state flag) and overwrite the slot, never read it.
@@ -32,8 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_allocator import BlockAllocator
+from .checkpoints import Checkpoint, CheckpointPool
 from .errors import CacheCapacityError
+from .prefix_blocks import PrefixBlockPool
 from .slot_allocator import SlotAllocator
 from .spec import CacheSpec
 
@@ -49,10 +60,27 @@ class RequestCache:
     # Tokens whose KV is valid and whose GDN state `slot` holds (<= num_tokens): what the
     # step outcomes committed. Positions past it hold drafts or nothing.
     num_committed_tokens: int = 0
+    # The first blocks of block_table that are registered in the prefix cache (or were found
+    # there): never written again, never truncated away.
+    num_cached_blocks: int = 0
+    # After a prefix hit with MTP: the target's hidden state at the hit's last position, for the
+    # MTP layer's one KV entry there (taken once by take_hit_hidden).
+    hit_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class PrefixHit:
+    """A cached prefix a request can start from: num_tokens tokens (a whole number of blocks)
+    whose KV is in `blocks` and whose GDN state is in `checkpoint`."""
+
+    num_tokens: int
+    blocks: list[int]
+    checkpoint: Checkpoint
 
 
 class HybridCacheManager:
-    def __init__(self, spec: CacheSpec, num_blocks: int, num_slots: int, device: str | torch.device = "cpu"):
+    def __init__(self, spec: CacheSpec, num_blocks: int, num_slots: int, device: str | torch.device = "cpu",
+                 num_checkpoints: int = 0, copy_last_hit_block: bool = False):
         if num_blocks < 1 or num_slots < 1:
             raise ValueError(f"need at least 1 KV block and 1 state slot, got {num_blocks} and {num_slots}")
         self.spec = spec
@@ -69,7 +97,9 @@ class HybridCacheManager:
             torch.zeros((num_slots + 1, *spec.recurrent_slot_shape), dtype=spec.state_dtype, device=device)
             for _ in range(spec.num_gdn_layers)
         ]
-        self._blocks = BlockAllocator(num_blocks)
+        self._blocks = PrefixBlockPool(num_blocks)
+        self.checkpoints = CheckpointPool(spec, num_checkpoints, device)
+        self.copy_last_hit_block = copy_last_hit_block
         self._slots = SlotAllocator(num_slots)
         self._requests: dict[Hashable, RequestCache] = {}
 
@@ -81,9 +111,12 @@ class HybridCacheManager:
         max_num_seqs: int,
         draft_slots_per_seq: int = 0,
         device: str | torch.device = "cpu",
+        num_checkpoints: int = 0,
+        copy_last_hit_block: bool = False,
     ) -> HybridCacheManager:
         """Split one byte budget: state slots for every sequence first (their number is fixed
-        by max_num_seqs and speculation), then as many KV blocks as the rest holds."""
+        by max_num_seqs and speculation) and the prefix checkpoints, then as many KV blocks as
+        the rest holds."""
         if max_num_seqs < 1 or draft_slots_per_seq < 0:
             raise ValueError(
                 f"need max_num_seqs >= 1 and draft_slots_per_seq >= 0, "
@@ -91,16 +124,18 @@ class HybridCacheManager:
             )
         num_slots = max_num_seqs * (1 + draft_slots_per_seq)
         slot_bytes = (num_slots + 1) * spec.bytes_per_slot            # + pad_slot
+        slot_bytes += num_checkpoints * CheckpointPool.bytes_per_checkpoint(spec)
         num_blocks = max(cache_memory_bytes - slot_bytes, 0) // spec.bytes_per_block
         if num_blocks < max_num_seqs:
             needed = slot_bytes + max_num_seqs * spec.bytes_per_block
             raise ValueError(
                 f"cache budget of {cache_memory_bytes} bytes is too small: {num_slots} state slots "
-                f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}, plus the pad slot) take {slot_bytes} bytes and "
+                f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}, plus the pad slot) and {num_checkpoints} "
+                f"prefix checkpoints take {slot_bytes} bytes and "
                 f"one KV block per seq takes {max_num_seqs * spec.bytes_per_block} more; "
                 f"need at least {needed} bytes, or lower max_num_seqs / draft slots"
             )
-        return cls(spec, num_blocks, num_slots, device)
+        return cls(spec, num_blocks, num_slots, device, num_checkpoints, copy_last_hit_block)
 
     # -- pool sizes ----------------------------------------------------------------------
 
@@ -119,6 +154,7 @@ class HybridCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks a request can get: free ones and cached ones nobody holds (evicted on use)."""
         return self._blocks.num_free
 
     @property
@@ -127,29 +163,109 @@ class HybridCacheManager:
 
     # -- admission -----------------------------------------------------------------------
 
-    def can_admit(self, num_tokens: int, num_draft_slots: int = 0) -> bool:
+    def match_prefix(self, block_hashes: list[bytes], max_tokens: int) -> PrefixHit | None:
+        """The longest cached prefix of at most max_tokens tokens: every block of it cached (in
+        order, by chain hash) and a checkpoint at its end. Changes nothing."""
+        blocks = self._cached_chain(block_hashes[:max(max_tokens, 0) // self.spec.block_size])
+        for n in range(len(blocks), 0, -1):
+            checkpoint = self.checkpoints.find(block_hashes[n - 1])
+            if checkpoint is not None:
+                return PrefixHit(n * self.spec.block_size, blocks[:n], checkpoint)
+        return None
+
+    def _cached_chain(self, block_hashes: list[bytes]) -> list[int]:
+        blocks = []
+        for h in block_hashes:
+            block = self._blocks.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of this chain are cached, checkpoint or not."""
+        return len(self._cached_chain(block_hashes))
+
+    def has_checkpoint(self, key: bytes) -> bool:
+        return self.checkpoints.find(key) is not None
+
+    def _blocks_to_take(self, num_tokens: int, hit: PrefixHit | None) -> int:
+        """Free-count blocks an admission uses: new ones, plus hit blocks nobody holds now (they
+        leave the free count while shared). Shared blocks are counted once, whoever holds them."""
+        new = self.spec.blocks_for(num_tokens)
+        if hit is None:
+            return new
+        new -= len(hit.blocks) - self.copy_last_hit_block
+        return new + self._blocks.num_idle_among(hit.blocks)
+
+    def can_admit(self, num_tokens: int, num_draft_slots: int = 0, hit: PrefixHit | None = None) -> bool:
         return (
-            self.spec.blocks_for(num_tokens) <= self.num_free_blocks
+            self._blocks_to_take(num_tokens, hit) <= self.num_free_blocks
             and 1 + num_draft_slots <= self.num_free_slots
         )
 
-    def allocate(self, request_id: Hashable, num_tokens: int, num_draft_slots: int = 0) -> RequestCache:
-        """Blocks for num_tokens, one committed slot and num_draft_slots draft slots."""
+    def allocate(self, request_id: Hashable, num_tokens: int, num_draft_slots: int = 0,
+                 hit: PrefixHit | None = None) -> RequestCache:
+        """Blocks for num_tokens, one committed slot and num_draft_slots draft slots. With a
+        hit (from match_prefix, with nothing changed since), the request starts with the hit's
+        tokens committed: it shares the hit's blocks and its slot holds the checkpoint's state."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds cache memory; free it first")
         if num_tokens < 0 or num_draft_slots < 0:
             raise ValueError(f"cannot allocate {num_tokens} tokens and {num_draft_slots} draft slots")
-        if not self.can_admit(num_tokens, num_draft_slots):
+        if hit is not None:
+            self._check_hit(hit, num_tokens)
+        if not self.can_admit(num_tokens, num_draft_slots, hit):
             raise CacheCapacityError(
-                f"request {request_id!r} needs {self.spec.blocks_for(num_tokens)} KV blocks "
+                f"request {request_id!r} needs {self._blocks_to_take(num_tokens, hit)} KV blocks "
                 f"({self.num_free_blocks} free) and {1 + num_draft_slots} state slots "
                 f"({self.num_free_slots} free)"
             )
-        block_table = self._blocks.allocate(self.spec.blocks_for(num_tokens))
+        if hit is None:
+            block_table = self._blocks.allocate(self.spec.blocks_for(num_tokens))
+        else:
+            # Take the hit's blocks before allocating: allocation may evict idle cached blocks.
+            self._blocks.take(hit.blocks)
+            block_table = list(hit.blocks)
+            block_table += self._blocks.allocate(self.spec.blocks_for(num_tokens) - len(hit.blocks))
+            if self.copy_last_hit_block:
+                shared = hit.blocks[-1]
+                own = self._blocks.allocate(1)[0]
+                for kv in self.kv_caches:
+                    kv[own].copy_(kv[shared])
+                block_table[len(hit.blocks) - 1] = own
+                self._blocks.free([shared])
         slot, *draft_slots = self._slots.allocate(1 + num_draft_slots)
         cache = RequestCache(block_table, slot, draft_slots, num_tokens)
+        if hit is not None:
+            self._load_checkpoint(hit.checkpoint, slot)
+            cache.num_committed_tokens = hit.num_tokens
+            cache.num_cached_blocks = len(hit.blocks)     # the copied last one duplicates a cached one
+            if self.spec.hidden_size:
+                cache.hit_hidden = self.checkpoints.hidden[hit.checkpoint.entry].clone()
         self._requests[request_id] = cache
         return cache
+
+    def _check_hit(self, hit: PrefixHit, num_tokens: int) -> None:
+        if not 0 < hit.num_tokens < num_tokens or len(hit.blocks) * self.spec.block_size != hit.num_tokens:
+            raise ValueError(f"a prefix hit of {hit.num_tokens} tokens in {len(hit.blocks)} blocks cannot start "
+                             f"a request of {num_tokens} tokens")
+        if self.checkpoints.find(hit.checkpoint.key) is not hit.checkpoint or any(
+                self._blocks.hash_of(b) is None for b in hit.blocks):
+            raise ValueError("the prefix hit is stale: its blocks or checkpoint were evicted since match_prefix")
+
+    def _load_checkpoint(self, checkpoint: Checkpoint, slot: int) -> None:
+        pool = self.checkpoints
+        for conv, rec, ck_conv, ck_rec in zip(self.conv_states, self.recurrent_states, pool.conv, pool.recurrent):
+            conv[slot].copy_(ck_conv[checkpoint.entry])
+            rec[slot].copy_(ck_rec[checkpoint.entry])
+        pool.touch(checkpoint.key)
+
+    def take_hit_hidden(self, request_id: Hashable) -> torch.Tensor | None:
+        """The hidden state a prefix hit brought (once; None after, or without a hit)."""
+        cache = self.get(request_id)
+        hidden, cache.hit_hidden = cache.hit_hidden, None
+        return hidden
 
     def has(self, request_id: Hashable) -> bool:
         return request_id in self._requests
@@ -193,8 +309,11 @@ class HybridCacheManager:
             raise ValueError(
                 f"request {request_id!r} holds {cache.num_tokens} tokens; cannot truncate to {num_tokens}"
             )
+        if num_tokens < cache.num_cached_blocks * self.spec.block_size:
+            raise ValueError(f"request {request_id!r} shares its first {cache.num_cached_blocks} blocks with the "
+                             f"prefix cache; cannot truncate to {num_tokens} tokens")
         keep = self.spec.blocks_for(num_tokens)
-        self._blocks.free(cache.block_table[keep:])
+        self._blocks.free(reversed(cache.block_table[keep:]))
         del cache.block_table[keep:]
         cache.num_tokens = num_tokens
         cache.num_committed_tokens = min(cache.num_committed_tokens, num_tokens)
@@ -228,12 +347,50 @@ class HybridCacheManager:
             raise ValueError(f"request {request_id!r} has {cache.num_committed_tokens} committed tokens and "
                              f"room for {cache.num_tokens}; cannot commit {num_tokens}")
 
+    # -- prefix cache --------------------------------------------------------------------
+
+    def cache_blocks(self, request_id: Hashable, block_hashes: list[bytes]) -> None:
+        """Registers the request's committed full blocks under their chain hashes
+        (block_hashes[i] names block i), so later requests can share them."""
+        cache = self.get(request_id)
+        full = min(cache.num_committed_tokens // self.spec.block_size, len(block_hashes))
+        for i in range(cache.num_cached_blocks, full):
+            self._blocks.register(cache.block_table[i], block_hashes[i])
+        cache.num_cached_blocks = max(cache.num_cached_blocks, full)
+
+    def save_checkpoint(self, request_id: Hashable, num_tokens: int, key: bytes, source_slot: int,
+                        hidden: torch.Tensor | None = None, pending: bool = False) -> bool:
+        """Copies the GDN state in one of the request's slots, which the caller knows to hold the
+        state after exactly num_tokens accepted tokens (never a rejected draft position), into a
+        checkpoint named `key` (the chain hash of the block ending at num_tokens); `hidden`: the
+        target's hidden state at num_tokens - 1. pending: the request's own checkpoint, replaced
+        by its next one and published when it frees. False when none was taken (already
+        published under `key`, or every checkpoint is pending)."""
+        cache = self.get(request_id)
+        if source_slot not in (cache.slot, *cache.draft_slots):
+            raise ValueError(f"slot {source_slot} is not one of request {request_id!r}'s slots")
+        if num_tokens % self.spec.block_size or not 0 < num_tokens <= cache.num_tokens:
+            raise ValueError(f"request {request_id!r} holds {cache.num_tokens} tokens; a checkpoint at "
+                             f"{num_tokens} must be within them and at a block boundary")
+        checkpoint = self.checkpoints.entry_for(key, num_tokens, request_id if pending else None)
+        if checkpoint is None:
+            return False
+        pool, entry = self.checkpoints, checkpoint.entry
+        for conv, rec, ck_conv, ck_rec in zip(self.conv_states, self.recurrent_states, pool.conv, pool.recurrent):
+            ck_conv[entry].copy_(conv[source_slot])
+            ck_rec[entry].copy_(rec[source_slot])
+        if hidden is not None and self.spec.hidden_size:
+            pool.hidden[entry].copy_(hidden)
+        return True
+
     # -- release -------------------------------------------------------------------------
 
     def free(self, request_id: Hashable) -> None:
-        """Release everything the request held (finished or preempted)."""
+        """Release everything the request held (finished or preempted). Its cached blocks stay
+        cached and its pending checkpoint is published, for the next turn or its readmission."""
         cache = self.get(request_id)
-        self._blocks.free(cache.block_table)
+        self.checkpoints.release(request_id)
+        self._blocks.free(reversed(cache.block_table))     # deepest block first in the LRU
         self._slots.free([cache.slot, *cache.draft_slots])
         del self._requests[request_id]
 
@@ -254,4 +411,16 @@ class HybridCacheManager:
             "kv_bytes_used": used_blocks * self.spec.bytes_per_block,
             "state_bytes_total": (self.num_slots + 1) * self.spec.bytes_per_slot,   # + pad_slot
             "state_bytes_used": used_slots * self.spec.bytes_per_slot,
+            "blocks_cached": self._blocks.num_cached,
+            "blocks_cached_idle": self._blocks.num_idle,
+            "checkpoints_total": self.checkpoints.size,
+            "checkpoints_published": len(self.checkpoints.published()),
+            "checkpoints_pending": self.checkpoints.num_pending,
+            "checkpoint_bytes_total": self.checkpoints.size * CheckpointPool.bytes_per_checkpoint(self.spec),
         }
+
+    def block_ref_count(self, block: int) -> int:
+        return self._blocks.ref_count(block)
+
+    def cached_block_hash(self, block: int) -> bytes | None:
+        return self._blocks.hash_of(block)

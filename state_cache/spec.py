@@ -13,7 +13,7 @@ import torch
 
 # Every size field must be at least 1, except these. A spec without GDN layers serves a
 # plain transformer (slots then cost nothing); a conv kernel of 1 would keep no window.
-_LEAST = {"num_gdn_layers": 0, "conv_kernel": 2}
+_LEAST = {"num_gdn_layers": 0, "conv_kernel": 2, "hidden_size": 0}
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class CacheSpec:
     conv_dtype: torch.dtype
     # float32 whatever the weight dtype: the state accumulates over the whole sequence
     state_dtype: torch.dtype = torch.float32
+    # the target's hidden size: a prefix checkpoint keeps the final-normed hidden state at its
+    # last position, for the MTP layer's KV there (state_cache/checkpoints.py); 0 keeps none
+    hidden_size: int = 0
 
     def __post_init__(self):
         for f in fields(self):

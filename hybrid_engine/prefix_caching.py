@@ -1,0 +1,192 @@
+"""Prefix caching, the engine's half: which prefix a new request starts from, where GDN
+checkpoints are taken, and the counters (the memory itself is state_cache's).
+
+A request can resume only at a length L where an earlier request left a checkpoint, so where
+checkpoints are taken decides the hit rate (docs: ARCHITECTURE.md section 9). They are taken
+- at the end of each prefill, at its last block boundary;
+- at branch points: the block-aligned common prefix of a prefilling request with any other
+  queued or running request, or with the cached blocks (a shared system prompt followed by
+  different user messages: the second such request, arriving alone, finds the first one's
+  blocks cached without a checkpoint where they part, and leaves one there for the third);
+- every `checkpoint_interval` tokens of a prefill, when configured;
+- while decoding, at each block boundary the committed length crosses, into the request's
+  own pending checkpoint, published when it finishes or is preempted (so the next chat turn,
+  or its own readmission, hits).
+
+The GDN state at a position inside a prefill exists only at the end of a chunk, so a prefill
+chunk that would run past a wanted checkpoint position is ended there (`plan_chunk`) and the
+rest runs next step. (Deriving the state at block boundaries inside a chunk from the chunked
+kernel's per-chunk states would spare that extra step; kernels/gdn/chunk.py does not expose
+them yet.) While decoding, the state after each accepted position is already in the verify's
+write slots; a position past the accepted ones never becomes a checkpoint.
+
+A waiting request that shares more of its prefix with a running request's unfinished prefill
+than the cache can give it now waits for that prefill to pass the branch point (one or a few
+steps), rather than computing the shared part a second time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_engine.state_cache import HybridCacheManager, PrefixHit, chain_hashes
+
+from .request import Request
+
+
+@dataclass
+class PrefixStats:
+    num_queries: int = 0          # admissions that looked the prompt up
+    num_query_tokens: int = 0     # tokens those admissions had to compute without the cache
+    num_hits: int = 0
+    num_hit_tokens: int = 0       # tokens served from the cache
+    num_checkpoints_taken: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"queries": self.num_queries, "query_tokens": self.num_query_tokens, "hits": self.num_hits,
+                "hit_tokens": self.num_hit_tokens, "hit_rate": self.hit_rate,
+                "checkpoints_taken": self.num_checkpoints_taken}
+
+
+class PrefixCaching:
+    def __init__(self, cache: HybridCacheManager, block_size: int, checkpoint_interval: int | None = None):
+        self.cache = cache
+        self.block_size = block_size
+        self.checkpoint_interval = checkpoint_interval
+        self.stats = PrefixStats()
+        self._wanted: dict[str, int] = {}     # request id -> checkpoint position its next chunk ends at
+
+    # -- hashes ---------------------------------------------------------------------------
+
+    def block_hashes(self, req: Request) -> list[bytes]:
+        """The chain hash of each full block of the request's tokens (kept on the request,
+        extended as it grows)."""
+        bs, hashes = self.block_size, req.block_hashes
+        full = req.num_tokens // bs
+        if len(hashes) < full:
+            parent = hashes[-1] if hashes else None
+            hashes.extend(chain_hashes(req.token_ids_in(len(hashes) * bs, full * bs), bs, parent))
+        return hashes
+
+    def _hash_through(self, req: Request, num_tokens: int, emitted: list[int]) -> bytes:
+        """The chain hash of the block ending at num_tokens, where the tokens past the known ones
+        are this step's emitted tokens (not appended yet)."""
+        bs, hashes = self.block_size, self.block_hashes(req)
+        i = num_tokens // bs
+        if i <= len(hashes):
+            return hashes[i - 1]
+        have = len(hashes) * bs
+        tokens = req.token_ids_in(have, req.num_tokens) + emitted
+        return chain_hashes(tokens[:num_tokens - have], bs, hashes[-1] if hashes else None)[-1]
+
+    @staticmethod
+    def _common_blocks(a: list[bytes], b: list[bytes]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    # -- admission --------------------------------------------------------------------------
+
+    def match(self, req: Request) -> PrefixHit | None:
+        """The longest cached prefix the request can start from (at least one token left)."""
+        return self.cache.match_prefix(self.block_hashes(req), req.num_tokens - 1)
+
+    def should_wait(self, req: Request, hit: PrefixHit | None, running: list[Request]) -> bool:
+        """True while a running request's prefill is still computing a longer prefix of this
+        one than the cache holds; its chunk will end at that branch point (plan_chunk)."""
+        have = hit.num_tokens if hit is not None else 0
+        mine = self.block_hashes(req)
+        for other in running:
+            if other.num_computed_tokens >= len(other.prompt_token_ids):
+                continue                                   # decoding: takes no branch checkpoint
+            shared = self._common_blocks(mine, self.block_hashes(other)) * self.block_size
+            if shared > have and other.num_computed_tokens < shared:
+                return True
+        return False
+
+    def admitted(self, req: Request, hit: PrefixHit | None) -> None:
+        s = self.stats
+        s.num_queries += 1
+        s.num_query_tokens += req.num_tokens
+        hit_tokens = hit.num_tokens if hit is not None else 0
+        if hit is not None:
+            s.num_hits += 1
+            s.num_hit_tokens += hit_tokens
+        if not req.output_token_ids:                      # as vLLM: the prompt's cached tokens
+            req.num_cached_tokens = hit_tokens
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def plan_chunk(self, req: Request, start: int, n: int, others: list[Request]) -> int:
+        """Tokens of a prefill chunk of n tokens from `start`, ended early at the first wanted
+        checkpoint position inside it; records a wanted position the chunk ends at."""
+        self._wanted.pop(req.request_id, None)
+        for p in self._checkpoint_positions(req, others):
+            if p <= start or p > start + n:
+                continue
+            self._wanted[req.request_id] = p
+            return p - start
+        return n
+
+    def _checkpoint_positions(self, req: Request, others: list[Request]) -> list[int]:
+        """Block-aligned positions inside the request's prefill where a checkpoint is wanted and
+        none is held yet, ascending."""
+        bs, hashes = self.block_size, self.block_hashes(req)
+        last = req.num_tokens // bs * bs
+        wanted = {last} if last else set()
+        if self.checkpoint_interval:
+            wanted.update(range(self.checkpoint_interval, last, self.checkpoint_interval))
+        cached = self.cache.num_cached_prefix_blocks(hashes)
+        if cached:
+            wanted.add(cached * bs)
+        for other in others:
+            if other is not req:
+                shared = self._common_blocks(hashes, self.block_hashes(other))
+                if shared:
+                    wanted.add(shared * bs)
+        return sorted(p for p in wanted if not self.cache.has_checkpoint(hashes[p // bs - 1]))
+
+    def take_checkpoints(self, results, hidden: torch.Tensor) -> None:
+        """After a step's forward, before its update (a verify's slots are still as written): a
+        published checkpoint for each prefill chunk that ended at a wanted position, and a
+        pending one for each decode that committed a block boundary. `results`: the step's
+        SegmentResults; `hidden`: the target's final-normed hidden states of its rows."""
+        bs = self.block_size
+        for result in results:
+            seg, req = result.segment, result.segment.request
+            rc = self.cache.get(req.request_id)
+            if not seg.is_decode:
+                end = seg.start + seg.num_tokens
+                if self._wanted.pop(req.request_id, None) != end:
+                    continue
+                key, slot, row = self._hash_through(req, end, []), rc.slot, seg.first_row + seg.num_tokens - 1
+                pending = False
+            else:
+                # Committed after this verify: start + accepted + 1 = start + emitted tokens.
+                end = (seg.start + len(result.token_ids)) // bs * bs
+                if end <= seg.start:
+                    continue
+                j = end - seg.start - 1                   # write slot j: the state after position start + j
+                slot = rc.slot if j == 0 else rc.draft_slots[j - 1]
+                key, row, pending = self._hash_through(req, end, result.token_ids), seg.first_row + j, True
+            if self.cache.save_checkpoint(req.request_id, end, key, slot, hidden[row], pending=pending):
+                self.stats.num_checkpoints_taken += 1
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def cache_blocks(self, req: Request) -> None:
+        """Registers the request's committed full blocks, so that others can share them."""
+        self.cache.cache_blocks(req.request_id, self.block_hashes(req))
+
+    def before_free(self, req: Request) -> None:
+        self.cache_blocks(req)
+        self._wanted.pop(req.request_id, None)
