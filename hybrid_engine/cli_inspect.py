@@ -74,7 +74,7 @@ def run(args) -> int:
         raise CLIError(f"--step must be >= 1, got {args.step}")
     if args.verify_prefix:
         return verify_prefix(args, lambda llm: encode_prompts(
-            llm, read_prompts(args, stdin_fallback=False) or _default_prompts(llm)))
+            llm, read_prompts(args, stdin_fallback=False)[0] or _default_prompts(llm)))
     return _verify_rewind(args) if args.verify_rewind else _inspect(args)
 
 

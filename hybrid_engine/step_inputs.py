@@ -63,8 +63,9 @@ class StepInputBuilder:
         self.block_size = block_size
         self.k = num_speculative_tokens
         self.kernels = backend_for(device)     # fixed for the engine's life, handed to every step
-        # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers.
-        max_num_tokens = max(max_num_tokens, max_num_seqs * (1 + self.k))
+        # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers, and
+        # an MTP catch-up after prefix hits adds one position per request (the entry at L - 1).
+        max_num_tokens = max(max_num_tokens + (max_num_seqs if self.k else 0), max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_num_tokens, **i64)
         self.positions = torch.zeros(max_num_tokens, **i64)
