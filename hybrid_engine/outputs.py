@@ -47,6 +47,8 @@ class CompletionOutput:
     # Streaming deltas: what this step added.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # This sample's time_to_first_token, time_per_output_token, num_preemptions, spec_decode
+    metrics: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -59,16 +61,15 @@ class RequestOutput:
     finished output holds all n. While it runs, a step's output holds the completions that
     advanced in that step, each with its delta (new_token_ids / new_text).
 
-    text, token_ids, finish_reason, logprobs, stop_reason, new_token_ids and new_text are
-    outputs[0]'s: with n = 1 the one completion's, and on a finished output completion 0's."""
+    text, token_ids, finish_reason, logprobs, stop_reason, new_token_ids, new_text and
+    metrics are outputs[0]'s: with n = 1 the one completion's, and on a finished output
+    completion 0's."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # time_to_first_token, time_per_output_token, ... (with n > 1: of outputs[0]'s sample)
-    metrics: dict = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -97,3 +98,7 @@ class RequestOutput:
     @property
     def new_text(self) -> str:
         return self.outputs[0].new_text
+
+    @property
+    def metrics(self) -> dict:
+        return self.outputs[0].metrics

@@ -41,7 +41,7 @@ class RequestGroup:
         for sample in samples:
             sample.group = self
         # Each sample's latest output: a finished group's output lists every completion.
-        self._latest: list[RequestOutput | None] = [None] * len(samples)
+        self._latest: list[CompletionOutput | None] = [None] * len(samples)
 
     @property
     def finished(self) -> bool:
@@ -52,18 +52,15 @@ class RequestGroup:
         the completions that advanced, or every completion once all have finished (those
         that did not advance in this step with empty deltas)."""
         for out in outputs:
-            self._latest[out.outputs[0].index] = out
+            completion = out.outputs[0]
+            self._latest[completion.index] = completion
         finished = self.finished
         if finished:
             stepped = {out.outputs[0].index for out in outputs}
-            completions = [_unchanged(out.outputs[0], i in stepped) for i, out in enumerate(self._latest)]
+            completions = [c if i in stepped else dataclasses.replace(c, new_token_ids=[], new_text="")
+                           for i, c in enumerate(self._latest)]
         else:
             completions = sorted((out.outputs[0] for out in outputs), key=lambda c: c.index)
         first = outputs[0]
         return RequestOutput(request_id=self.request_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=self._latest[completions[0].index].metrics)
-
-
-def _unchanged(completion: CompletionOutput, stepped: bool) -> CompletionOutput:
-    return completion if stepped else dataclasses.replace(completion, new_token_ids=[], new_text="")
+                             prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=finished)

@@ -163,12 +163,10 @@ def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOu
         index=req.index, text=req.text, token_ids=Prefix(req.output_token_ids, len(req.output_token_ids)),
         finish_reason=req.finish_reason,
         logprobs=None if logprobs is None else Prefix(logprobs, len(logprobs)),
-        stop_reason=req.stop_reason, new_token_ids=new_ids, new_text=new_text)
-    return RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        outputs=[completion], finished=req.finish_reason is not None,
+        stop_reason=req.stop_reason, new_token_ids=new_ids, new_text=new_text,
         metrics={"time_to_first_token": m.time_to_first_token,
                  "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
                  "num_preemptions": req.num_preemptions,
-                 "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
-    )
+                 "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None})
+    return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                         outputs=[completion], finished=req.finish_reason is not None)

@@ -8,20 +8,20 @@ from dataclasses import dataclass
 
 from .chat_output_parser import THINK_END, THINK_START, TOOL_START, ChatDeltaParts, ChatOutputParser
 from .chat_template import render_chat
-from .engine_client import Choice, EngineClient
+from .engine_client import EngineClient, PromptRequest
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatStreamChoice,
                        FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut, UsageInfo, new_id, now)
-from .sampling import check_fits, choice_params
+from .sampling import check_fits, prompt_params
 from .sse import DONE, event
 from .text_stream import StreamedText
 
 
 @dataclass
 class ChatPlan:
-    choices: list[Choice]
+    request: PromptRequest       # its n samples are the n choices
     prompt_ids: list[int]
     reasoning: bool
     tools: bool
@@ -46,10 +46,10 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_fits(len(ids), req.max_completion_tokens or req.max_tokens, engine.max_model_len, field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    choices = [Choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(choice_params(req, max_tokens, logprobs))]
+    request = PromptRequest(ids, prompt_params(req, max_tokens, logprobs))
     vocab = tok.get_vocab()
     reasoning = THINK_START in vocab and THINK_END in vocab
-    return ChatPlan(choices, ids, reasoning=reasoning,
+    return ChatPlan(request, ids, reasoning=reasoning,
                     tools=bool(req.tools) and req.tool_choice != "none" and TOOL_START in vocab,
                     starts_in_reasoning=reasoning and prompt.rfind(THINK_START) > prompt.rfind(THINK_END))
 
@@ -66,8 +66,8 @@ def _usage(plan: ChatPlan, outputs) -> UsageInfo:
 async def complete(req: ChatCompletionRequest, client: EngineClient, model: str) -> ChatCompletionResponse:
     plan = prepare(req, client)
     rid = new_id("chatcmpl")
-    gen = client.generate(plan.choices, rid)
-    final = [None] * len(plan.choices)
+    gen = client.generate([plan.request], rid)
+    final = [None] * gen.num_choices
     try:
         async for index, out in gen:
             if out.finished:
@@ -101,7 +101,7 @@ async def stream(req: ChatCompletionRequest, client: EngineClient, model: str) -
     """Prepared and submitted before the first byte (a bad request is still a 400)."""
     plan = prepare(req, client)
     rid = new_id("chatcmpl")
-    gen = client.generate(plan.choices, rid)
+    gen = client.generate([plan.request], rid)
     return _events(req, client, model, rid, gen, plan)
 
 
@@ -115,8 +115,8 @@ def _delta(parts: ChatDeltaParts) -> ChatDelta:
 
 async def _events(req, client, model, rid, gen, plan: ChatPlan) -> AsyncIterator[str]:
     created, tok = now(), client.engine.tokenizer
-    n = len(plan.choices)
-    texts = [StreamedText(c.params.stop) for c in plan.choices]
+    n = gen.num_choices
+    texts = [StreamedText(plan.request.params.stop) for _ in range(n)]
     parsers = [plan.parser() for _ in range(n)]
     saw_call = [False] * n
     num_tokens = [0] * n

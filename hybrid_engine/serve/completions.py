@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from .engine_client import Choice, EngineClient
+from .engine_client import EngineClient, PromptRequest
 from .errors import APIError
 from .logprobs import completion_logprobs
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, new_id, now
-from .sampling import check_fits, choice_params
+from .sampling import check_fits, prompt_params
 from .sse import DONE, event
 from .text_stream import StreamedText
 
 
-def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice], list[list[int]]]:
-    """-> the engine requests (prompt-major: choice index = prompt index * n + i) and each
-    prompt's token ids. Bad prompts and parameters raise APIError / ValueError (400)."""
+def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[PromptRequest], list[list[int]]]:
+    """-> the engine requests, one per prompt with its n choices (choice index = prompt index
+    * n + i), and each prompt's token ids. Bad prompts and parameters raise APIError /
+    ValueError (400)."""
     for name in ("best_of", "suffix"):
         value = getattr(req, name)
         if value is not None and not (name == "best_of" and value == req.n):
@@ -28,7 +29,7 @@ def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice],
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
     engine = client.engine
-    choices, prompt_ids = [], []
+    requests, prompt_ids = [], []
     for i, prompt in enumerate(prompts):
         try:
             _, ids = engine.encode_prompt(prompt)
@@ -36,9 +37,8 @@ def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice],
             raise APIError(400, f"prompt {i}: {e}" if len(prompts) > 1 else str(e), "prompt") from None
         max_tokens = check_fits(len(ids), 16 if req.max_tokens is None else req.max_tokens, engine.max_model_len)
         prompt_ids.append(ids)
-        for j, params in enumerate(choice_params(req, max_tokens, req.logprobs)):
-            choices.append(Choice(ids, params, counts_prompt=j == 0))
-    return choices, prompt_ids
+        requests.append(PromptRequest(ids, prompt_params(req, max_tokens, req.logprobs)))
+    return requests, prompt_ids
 
 
 def _echo_text(client: EngineClient, ids: list[int]) -> str:
@@ -53,10 +53,10 @@ def _text(client: EngineClient, out) -> str:
 
 
 async def complete(req: CompletionRequest, client: EngineClient, model: str) -> CompletionResponse:
-    choices, prompt_ids = prepare(req, client)
+    requests, prompt_ids = prepare(req, client)
     rid = new_id("cmpl")
-    gen = client.generate(choices, rid)
-    final = [None] * len(choices)
+    gen = client.generate(requests, rid)
+    final = [None] * gen.num_choices
     try:
         async for index, out in gen:
             if out.finished:
@@ -85,17 +85,17 @@ def _usage(prompt_ids: list[list[int]], outputs) -> UsageInfo:
 async def stream(req: CompletionRequest, client: EngineClient, model: str) -> AsyncIterator[str]:
     """The SSE body. Choices are prepared and submitted before the first byte, so a bad request
     is still a 400; the generator's finally aborts everything when the client goes away."""
-    choices, prompt_ids = prepare(req, client)
+    requests, prompt_ids = prepare(req, client)
     rid = new_id("cmpl")
-    gen = client.generate(choices, rid)
-    return _events(req, client, model, rid, gen, choices, prompt_ids)
+    gen = client.generate(requests, rid)
+    return _events(req, client, model, rid, gen, requests, prompt_ids)
 
 
-async def _events(req, client, model, rid, gen, choices, prompt_ids) -> AsyncIterator[str]:
+async def _events(req, client, model, rid, gen, requests, prompt_ids) -> AsyncIterator[str]:
     created, tok = now(), client.engine.tokenizer
-    texts = [StreamedText(c.params.stop) for c in choices]
-    num_tokens = [0] * len(choices)
-    finals = [None] * len(choices)
+    texts = [StreamedText(r.params.stop) for r in requests for _ in range(r.params.n)]
+    num_tokens = [0] * gen.num_choices
+    finals = [None] * gen.num_choices
 
     def chunk(index: int, text: str, logprobs=None, finish=None, stop_reason=None) -> str:
         return event(CompletionResponse(id=rid, created=created, model=model, choices=[
@@ -103,7 +103,7 @@ async def _events(req, client, model, rid, gen, choices, prompt_ids) -> AsyncIte
                              stop_reason=stop_reason)]))
     try:
         if req.echo:
-            for index in range(len(choices)):
+            for index in range(gen.num_choices):
                 yield chunk(index, _echo_text(client, prompt_ids[index // req.n]))
         async for index, out in gen:
             if tok is None:

@@ -1,6 +1,8 @@
 """The HTTP handlers' side of the EngineLoop: submit a request's choices, await their outputs.
 
-Each choice is one engine request. The loop thread hands its outputs to this asyncio loop
+Each prompt is one engine request whose SamplingParams.n samples are its choices; choices are
+numbered prompt-major (choice index = the choices of the earlier prompts + sample index),
+and each is awaited on its own, as a one-completion RequestOutput. The loop thread hands its outputs to this asyncio loop
 through call_soon_threadsafe, so a handler awaits a queue and never blocks the event loop.
 Closing a Generation (a finished response, an error, a client that went away) aborts every
 choice still running, which frees its memory at the loop's next turn.
@@ -12,7 +14,9 @@ end-to-end from submission, inter-token time per token between two deltas.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from hybrid_engine.sampling_params import SamplingParams
@@ -22,10 +26,9 @@ from .metrics import ServerMetrics
 
 
 @dataclass
-class Choice:
+class PromptRequest:
     prompt: list[int]
-    params: SamplingParams
-    counts_prompt: bool      # the first choice of its prompt: its tokens go into the prompt total
+    params: SamplingParams   # params.n: the choices of this prompt
 
 
 class EngineClient:
@@ -34,33 +37,42 @@ class EngineClient:
         self.engine = engine_loop.engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
-        self.num_pending = 0     # engine requests this server has open (event-loop thread only)
+        self.num_pending = 0     # choices this server has open (event-loop thread only)
 
-    def generate(self, choices: list[Choice], request_id: str) -> Generation:
-        """Submits every choice, or none: a ValueError from the engine's validation (naming the
-        field) closes the ones already submitted and propagates."""
-        if self.num_pending + len(choices) > self.max_pending_requests:
+    def generate(self, requests: list[PromptRequest], request_id: str) -> Generation:
+        """Submits every prompt's request, or none: a ValueError from the engine's validation
+        (naming the field) closes the ones already submitted and propagates."""
+        num_choices = sum(r.params.n for r in requests)
+        if self.num_pending + num_choices > self.max_pending_requests:
             raise APIError(503, f"the server is overloaded: {self.num_pending} requests are in flight "
                                 f"(at most {self.max_pending_requests}); retry later")
-        return Generation(self, choices, request_id)
+        return Generation(self, requests, request_id)
 
 
 class Generation:
-    """Async iterator over (choice index, RequestOutput) until every choice has finished."""
+    """Async iterator over (choice index, RequestOutput of that choice alone) until every choice
+    has finished."""
 
-    def __init__(self, client: EngineClient, choices: list[Choice], request_id: str):
-        self.client, self.choices = client, choices
+    def __init__(self, client: EngineClient, requests: list[PromptRequest], request_id: str):
+        self.client = client
         self.queue: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
         self.streams, self.closed = [], False
         self.start = time.monotonic()
-        self.last_time = [None] * len(choices)
+        self.num_choices = sum(r.params.n for r in requests)
+        self.last_time = [None] * self.num_choices
+        self.done = [False] * self.num_choices
+        self.num_held = 0                # choices submitted, counted in client.num_pending
         self.num_finished = 0
+        self._split: deque = deque()     # one engine output's choices not yet handed out
         try:
-            for i, c in enumerate(choices):
-                deliver = _deliverer(aio, self.queue, i)
-                self.streams.append(client.engine_loop.submit(c.prompt, c.params, f"{request_id}-{i}", deliver))
-                client.num_pending += 1
+            first = 0
+            for i, r in enumerate(requests):
+                deliver = _deliverer(aio, self.queue, first)
+                self.streams.append(client.engine_loop.submit(r.prompt, r.params, f"{request_id}-{i}", deliver))
+                client.num_pending += r.params.n
+                self.num_held += r.params.n
+                first += r.params.n
         except BaseException:
             self.close()
             raise
@@ -69,15 +81,22 @@ class Generation:
         return self
 
     async def __anext__(self):
-        if self.num_finished == len(self.choices):
-            raise StopAsyncIteration
-        index, out = await self.queue.get()
-        if isinstance(out, BaseException):
-            raise out
-        if getattr(out, "error", None):
-            raise RuntimeError(out.error)
+        while not self._split:
+            if self.num_finished == self.num_choices:
+                raise StopAsyncIteration
+            first, out = await self.queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            if getattr(out, "error", None):
+                raise RuntimeError(out.error)
+            for c in out.outputs:
+                # A finished request's output repeats the choices that finished before it.
+                if not self.done[first + c.index]:
+                    self._split.append((first + c.index, dataclasses.replace(out, outputs=[c], finished=c.finished)))
+        index, out = self._split.popleft()
         self._observe(index, out)
         if out.finished:
+            self.done[index] = True
             self.num_finished += 1
         return index, out
 
@@ -91,7 +110,8 @@ class Generation:
                 m.observe_inter_token(now - last, len(out.new_token_ids))
             self.last_time[index] = now
         if out.finished:
-            m.observe_finished(out, now - self.start, self.choices[index].counts_prompt)
+            # A prompt's tokens are counted once, with its first choice.
+            m.observe_finished(out, now - self.start, out.outputs[0].index == 0)
 
     def close(self) -> None:
         if self.closed:
@@ -99,15 +119,15 @@ class Generation:
         self.closed = True
         for stream in self.streams:
             stream.close()      # aborts the request unless it has finished
-        self.client.num_pending -= len(self.streams)
+        self.client.num_pending -= self.num_held
 
 
-def _deliverer(aio: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+def _deliverer(aio: asyncio.AbstractEventLoop, queue: asyncio.Queue, first: int):
     """on_output for the loop thread: must not block, and must not fail once the HTTP side
     has gone (its event loop closed at shutdown)."""
     def deliver(output) -> None:
         try:
-            aio.call_soon_threadsafe(queue.put_nowait, (index, output))
+            aio.call_soon_threadsafe(queue.put_nowait, (first, output))
         except RuntimeError:
             pass
     return deliver

@@ -2,8 +2,9 @@
 
 Values are passed through as given: the engine's validation (at submit) names a bad field
 in its ValueError, which becomes the 400's message. Only what the engine has no field for is
-refused here. `n` choices are n engine requests; with a seed, choice i uses seed + i, so
-the n choices differ from each other and the whole response is reproducible.
+refused here. A prompt's `n` choices are one engine request with SamplingParams.n: one
+prefill, and choice i is sample i, seeded seed + i (SamplingParams.child_seed), so the n
+choices differ from each other and the whole response is reproducible.
 """
 
 from __future__ import annotations
@@ -14,22 +15,19 @@ from .errors import APIError
 from .protocol import SamplingFields
 
 
-def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def prompt_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine request of one prompt: its n choices are the request's n samples."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
-    out = []
-    for i in range(req.n):
-        out.append(SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            max_tokens=max_tokens, min_tokens=req.min_tokens,
-            seed=None if req.seed is None else req.seed + i,
-            stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs))
-    return out
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, n=req.n,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
 
 
 def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str = "max_tokens") -> int:
