@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.state_cache import CacheCapacityError, CacheSpec, HybridCacheManager
@@ -232,3 +234,42 @@ def test_a_refused_fork_changes_nothing(case):
              pools(cache))
     assert before[:2] == after[:2] and all(torch.equal(x, y) for x, y in zip(before[2], after[2]))
     assert not cache.has("b")
+
+
+def held(cache: HybridCacheManager, ids) -> dict:
+    return {r: (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens, c.num_committed_tokens)
+            for r in ids if cache.has(r) for c in [cache.get(r)]}
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["allocate", "commit", "fork", "free"]), st.integers(0, 3),
+                         st.integers(0, 3), st.integers(0, 14), st.integers(0, 2)), max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS)
+def test_random_forks_keep_ownership_disjoint_and_copy_exactly(ops):
+    cache, ids = tiny_cache(num_blocks=8, num_slots=6), range(4)
+    for op, a, b, tokens, drafts in ops:
+        before, tensors = held(cache, ids), pools(cache)
+        try:
+            if op == "allocate":
+                cache.allocate(a, tokens, drafts)
+            elif op == "commit":
+                cache.commit(a, min(tokens, cache.get(a).num_tokens) if cache.has(a) else tokens)
+            elif op == "fork":
+                cache.fork(a, b, drafts)
+                src, dst = cache.get(a), cache.get(b)
+                for kv in cache.kv_caches:
+                    assert torch.equal(kv[dst.block_table], kv[src.block_table[:len(dst.block_table)]])
+                for pool in (*cache.conv_states, *cache.recurrent_states):
+                    assert torch.equal(pool[dst.slot], pool[src.slot])
+                assert dst.num_tokens == dst.num_committed_tokens == src.num_committed_tokens
+            else:
+                cache.free(a)
+        except (KeyError, ValueError, CacheCapacityError):
+            assert held(cache, ids) == before           # refused: nothing changed
+            assert all(torch.equal(x, y) for x, y in zip(tensors, pools(cache)))
+        blocks = [blk for r in held(cache, ids).values() for blk in r[0]]
+        slots = [s for r in held(cache, ids).values() for s in (r[1], *r[2])]
+        assert len(set(blocks)) == len(blocks) == cache.num_blocks - cache.num_free_blocks
+        assert len(set(slots)) == len(slots) == cache.num_slots - cache.num_free_slots
