@@ -26,6 +26,7 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
+from .request_group import RequestGroup, sample_request_id
 from .sampler import Sampler, SamplingRow, greedy_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -129,7 +130,8 @@ class LLMEngine:
         # arrival order: the same calls give the same samples run to run (vLLM's LLM(seed=...)),
         # whatever else shares their batches.
         self._seed_source = random.Random(config.seed)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}         # every sequence, by its own id
+        self.groups: dict[str, RequestGroup] = {}      # requests with n > 1, by the caller's id
         self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -210,30 +212,68 @@ class LLMEngine:
         if request_id is None:
             # Automatic ids skip any id in use, whoever chose it.
             request_id = str(next(self._ids))
-            while request_id in self.requests:
+            while self._id_in_use(request_id):
                 request_id = str(next(self._ids))
         request_id = str(request_id)
-        if request_id in self.requests:
+        if self._id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, text, ids, params, self.eos_token_ids, sampling_seed=self.sampling_seed(params))
+        if params.n == 1:
+            req = self._new_request(request_id, text, ids, params, 0)
+            self.requests[request_id] = req
+            self.scheduler.add(req)
+            return request_id
+        sample_ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        taken = next((sid for sid in sample_ids if self._id_in_use(sid)), None)
+        if taken is not None:
+            raise ValueError(f"request id {request_id!r} with n={params.n} runs sample {taken!r}, "
+                             "an id already in use")
+        samples = [self._new_request(sid, text, ids, params, i) for i, sid in enumerate(sample_ids)]
+        self.groups[request_id] = RequestGroup(request_id, samples)
+        self.requests.update((s.request_id, s) for s in samples)
+        # Sample 0 prefills the shared prefix (hybrid_engine/request_group.py); with prefix
+        # caching the samples share it through the cache instead, as independent requests.
+        if len(ids) > 1 and self.prefix is None:
+            samples[0].forks = samples[1:]
+            self.scheduler.add(samples[0])
+        else:
+            for sample in samples:
+                self.scheduler.add(sample)
+        return request_id
+
+    def _id_in_use(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.groups
+
+    def _new_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                     index: int) -> Request:
+        req = Request(request_id, text, ids, params, self.eos_token_ids,
+                      sampling_seed=self.sampling_seed(params, index), index=index)
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return request_id
+        return req
 
-    def sampling_seed(self, params: SamplingParams) -> int:
-        """The seed that keys a request's sampling: its own, or for an unseeded request a fresh
-        one from the engine's seed source (the one place unseeded randomness comes from)."""
-        return params.seed if params.seed is not None else self._seed_source.getrandbits(64)
+    def sampling_seed(self, params: SamplingParams, index: int = 0) -> int:
+        """The seed that keys the sampling of sample `index` of a request: its own
+        (params.child_seed), or for an unseeded request a fresh one from the engine's seed
+        source (the one place unseeded randomness comes from)."""
+        seed = params.child_seed(index)
+        return seed if seed is not None else self._seed_source.getrandbits(64)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its memory at once."""
-        req = self.requests.pop(str(request_id), None)
-        if req is None:
+        """Stop a request (all of its n samples) now and free its memory at once. Takes the
+        caller's id: the id of one of n samples is not a request of its own."""
+        request_id = str(request_id)
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            return group.merge([self._abort(s) for s in group.samples if not s.is_finished])
+        req = self.requests.get(request_id)
+        if req is None or req.group is not None:
             return None
+        return self._abort(req)
+
+    def _abort(self, req: Request) -> RequestOutput:
+        del self.requests[req.request_id]
         self.scheduler.finish(req)
         req.finish_reason = "abort"
         return request_output(req, [], take_text_delta(req))
@@ -273,11 +313,30 @@ class LLMEngine:
         drafts = self._draft(results, hidden)
         if self.prefix is not None:
             self.prefix.take_checkpoints(results, hidden)
-        outputs = self.updater.update(StepOutput(results, drafts))
+        return self._caller_outputs(self.updater.update(StepOutput(results, drafts)))
+
+    def _caller_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Per-sequence outputs -> one per caller's request: the outputs of a request's n
+        samples are merged into one (at the place of the first of them)."""
+        result: list[RequestOutput | RequestGroup] = []
+        of_group: dict[RequestGroup, list[RequestOutput]] = {}
         for out in outputs:
+            req = self.requests[out.request_id]
             if out.finished:
                 del self.requests[out.request_id]
-        return outputs
+            if req.group is None:
+                result.append(out)
+                continue
+            if req.group not in of_group:
+                of_group[req.group] = []
+                result.append(req.group)
+            of_group[req.group].append(out)
+        for i, item in enumerate(result):
+            if isinstance(item, RequestGroup):
+                result[i] = item.merge(of_group[item])
+                if result[i].finished:
+                    del self.groups[item.request_id]
+        return result
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[SegmentResult]:
         """Tokens emitted per segment: none for a prefill chunk short of the end, one for a

@@ -182,16 +182,17 @@ class EngineLoop:
             self._abort(request_id)
 
     def _step(self) -> None:
-        running = [req.request_id for req in self._engine.scheduler.running]
+        # Callers' ids: the n samples of a request fail together, as they abort together.
+        running = [req.caller_request_id for req in self._engine.scheduler.running]
         try:
             outputs = self._engine.step()
         except Exception as e:
             # The step may have been admitting waiting requests too: those are running now.
             # A step that failed before running any (no request fits) fails them all, or the
             # loop would raise again at once, forever.
-            failed = set(running) | {req.request_id for req in self._engine.scheduler.running}
+            failed = set(running) | {req.caller_request_id for req in self._engine.scheduler.running}
             if not failed:
-                failed = set(self._engine.requests)
+                failed = {req.caller_request_id for req in self._engine.requests.values()}
             for request_id in failed:
                 self._engine.abort_request(request_id)
                 self._deliver_error(request_id, e)

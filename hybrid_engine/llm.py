@@ -94,7 +94,8 @@ class LLM:
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
         """Yields a RequestOutput each time one of these requests advances (new_token_ids /
-        new_text are the delta), only these requests'. Prompts are checked at once; they run
+        new_text are the delta), only these requests'. With SamplingParams(n > 1), its
+        `outputs` are the completions that advanced, each with its index and delta. Prompts are checked at once; they run
         from the first next(). Closing the generator, or dropping it, aborts what is left."""
         return self._stream(self._normalise(prompts, sampling_params))
 
@@ -115,8 +116,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """The finished outputs of these prompts, in input order (other callers' requests run
-        alongside in the same batches, and this call waits for none of them)."""
+        """The finished outputs of these prompts, in input order, one per prompt: with
+        SamplingParams(n=...), its `outputs` hold the n completions (other callers' requests
+        run alongside in the same batches, and this call waits for none of them)."""
         checked = self._normalise(prompts, sampling_params)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
 

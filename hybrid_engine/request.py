@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 from hybrid_engine.spec_decode.stats import SpecStats
+
+if TYPE_CHECKING:
+    from .request_group import RequestGroup
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +71,13 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # SamplingParams.n (hybrid_engine/request_group.py): which of its prompt's samples this is,
+    # the group of samples it belongs to (None when n = 1), and the siblings waiting for a copy
+    # of its cache once it has computed all but its last prompt token (set by the engine,
+    # emptied by the scheduler when it forks them; until then its prefill stops there).
+    index: int = 0
+    group: "RequestGroup | None" = None
+    forks: list["Request"] = field(default_factory=list)
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list."""
@@ -76,6 +87,11 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def caller_request_id(self) -> str:
+        """The id the caller knows: its group's for one of n samples, else its own."""
+        return self.request_id if self.group is None else self.group.request_id
 
     @property
     def num_tokens(self) -> int:

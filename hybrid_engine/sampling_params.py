@@ -1,4 +1,9 @@
-"""Per-request sampling parameters, with vLLM's names and defaults."""
+"""Per-request sampling parameters, with vLLM's names and defaults.
+
+`n` asks for n independent samples of one prompt, which share its prefill
+(hybrid_engine/request_group.py). `best_of` (sample more, return the n most likely) is left
+out, as vLLM v1 dropped it: n samples are returned as drawn.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # N most likely tokens (plus the chosen one) per step
     # vLLM's: keep a stop string, and a stop token's text, in the output text (dropped by default)
     include_stop_str_in_output: bool = False
+    n: int = 1  # independent samples of the prompt, each a CompletionOutput of one RequestOutput
 
     def __setattr__(self, name: str, value) -> None:
         # stop / stop_token_ids are normalised to lists on every assignment, not only in the
@@ -40,6 +46,15 @@ class SamplingParams:
         if name in ("stop", "stop_token_ids"):
             value = _as_list(value)
         super().__setattr__(name, value)
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of sample `index` of n: vLLM's seed + index, so the n samples differ and each
+        is the sample a lone request with that seed gives; wrapped into the seed range (the
+        sampler reads seeds modulo 2**64). None when unseeded: the engine picks one per sample."""
+        if self.seed is None:
+            return None
+        seed = self.seed + index
+        return seed if seed <= _SEED_MAX else seed - 2**64
 
     @property
     def is_greedy(self) -> bool:
@@ -68,6 +83,8 @@ class SamplingParams:
             _fail("max_tokens", self.max_tokens, "an int >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", self.n, "an int >= 1")
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             _fail("seed", self.seed, "None or an int in [-2**63, 2**64)")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

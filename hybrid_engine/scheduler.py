@@ -15,6 +15,11 @@ longest cached prefix, a prefill chunk ends where a GDN checkpoint is wanted, an
 whose prefix a running prefill is about to checkpoint waits for it (in order, as any other
 request that does not fit yet).
 
+The n samples of one prompt (hybrid_engine/request_group.py): sample 0 prefills all but the
+last prompt token; at the start of the next schedule its cache is forked to each sibling
+that fits now (a running slot, and memory for its next step), and a sibling that does not
+waits at the front of the queue and prefills on its own.
+
 A running request's KV reservation only grows: blocks past its committed length (rejected
 drafts, the drafter's lookahead) stay with it for the next step (state_cache/hybrid_cache.py).
 The outcome of a step (tokens, stops, commits, frees) is applied by hybrid_engine/step_update.py.
@@ -70,6 +75,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._fork_shared_prefixes()
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:      # preempted earlier in this loop
                 continue
@@ -77,7 +83,7 @@ class Scheduler:
             # With speculation a decode verifies its drafts; the last token of a chunked or
             # re-run prefill has none yet, so it stays a (one-token) prefill segment.
             is_decode = need == 1 and (self.num_draft_slots == 0 or bool(req.draft_token_ids))
-            n = 1 + len(req.draft_token_ids) if is_decode else min(need, budget)
+            n = 1 + len(req.draft_token_ids) if is_decode else min(_prefill_need(req), budget)
             if n == 0 or budget < n:
                 continue
             if self.prefix is not None and not is_decode:
@@ -101,7 +107,7 @@ class Scheduler:
                 if self.prefix.should_wait(req, hit, self.running):
                     break
             start = hit.num_tokens if hit is not None else 0
-            n = min(req.num_tokens - start, budget)
+            n = min(req.num_tokens - start - (1 if req.forks else 0), budget)
             if self.prefix is not None:
                 n = self.prefix.plan_chunk(req, start, n, self._queued())
             total = self._tokens_to_hold(req, start, n)
@@ -117,6 +123,24 @@ class Scheduler:
             batch.prefills.append((req, n))
             budget -= n
         return batch
+
+    def _fork_shared_prefixes(self) -> None:
+        """Each running request whose siblings wait for its prompt prefix, now computed, gives
+        each of them a copy of its cache (module docstring)."""
+        for parent in [r for r in self.running if r.forks and r.num_uncomputed_tokens == 1]:
+            siblings, parent.forks = parent.forks, []
+            total = self._tokens_to_hold(parent, parent.num_computed_tokens, 1)
+            left = []
+            for sibling in siblings:
+                if (len(self.running) < self.max_num_seqs
+                        and self.cache.can_admit(total, self.num_draft_slots)):
+                    self.cache.fork(parent.request_id, sibling.request_id, self.num_draft_slots)
+                    sibling.num_computed_tokens = parent.num_computed_tokens
+                    sibling.status = RequestStatus.RUNNING
+                    self.running.append(sibling)
+                else:
+                    left.append(sibling)
+            self.waiting.extendleft(reversed(left))
 
     def _tokens_to_hold(self, req: Request, start: int, n: int) -> int:
         samples = start + n >= req.num_tokens
@@ -160,3 +184,8 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.before_free(req)
         self.cache.free(req.request_id)
+
+
+def _prefill_need(req: Request) -> int:
+    """Tokens left to prefill; one fewer while siblings wait for its prompt prefix."""
+    return req.num_uncomputed_tokens - (1 if req.forks else 0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from hybrid_engine.spec_decode.stats import SpecStats
 from hybrid_engine.state_cache import HybridCacheManager
 
-from .outputs import Prefix, RequestOutput
+from .outputs import CompletionOutput, Prefix, RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
 from .scheduler import Scheduler
@@ -165,15 +165,15 @@ def _stop_string_prefix_at_end(text: str, stops: list[str]) -> int:
 def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
     m = req.metrics
     logprobs = req.output_logprobs if req.params.logprobs is not None else None
-    return RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-        text=req.text, token_ids=Prefix(req.output_token_ids, len(req.output_token_ids)),
+    completion = CompletionOutput(
+        index=req.index, text=req.text, token_ids=Prefix(req.output_token_ids, len(req.output_token_ids)),
         finish_reason=req.finish_reason,
         logprobs=None if logprobs is None else Prefix(logprobs, len(logprobs)),
-        finished=req.finish_reason is not None, stop_reason=req.stop_reason,
+        stop_reason=req.stop_reason, new_token_ids=new_ids, new_text=new_text,
         metrics={"time_to_first_token": m.time_to_first_token,
                  "time_per_output_token": m.time_per_output_token(len(req.output_token_ids)),
                  "num_preemptions": req.num_preemptions,
-                 "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None},
-        new_token_ids=new_ids, new_text=new_text, num_cached_tokens=req.num_cached_tokens,
-    )
+                 "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None})
+    return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                         outputs=[completion], finished=req.finish_reason is not None,
+                         num_cached_tokens=req.num_cached_tokens)

@@ -10,6 +10,9 @@ Two pools, sized once at start-up:
 A request is admitted only if both kinds fit. Every verb checks before it changes anything:
 a refused call (CacheCapacityError, ValueError, KeyError) leaves the manager as it was.
 
+`fork` gives a new request its own copy of what another has committed (the n samples of one
+prompt share its prefill this way: hybrid_engine/request_group.py).
+
 Each outcome of a step has one verb: `commit` (a prefill chunk or a plain decode was
 written), `commit_verify` (a verify step: the KV length and the committed GDN slot move
 together, so no half-done rewind can exist), `free` (finished or preempted). A request's
@@ -382,6 +385,40 @@ class HybridCacheManager:
         if hidden is not None and self.spec.hidden_size:
             pool.hidden[entry].copy_(hidden)
         return True
+
+    # -- copies --------------------------------------------------------------------------
+
+    def can_fork(self, src_request_id: Hashable, num_draft_slots: int = 0) -> bool:
+        """Whether `fork` from this request would fit now."""
+        return self.can_admit(self.get(src_request_id).num_committed_tokens, num_draft_slots)
+
+    def fork(self, src_request_id: Hashable, dst_request_id: Hashable, num_draft_slots: int = 0) -> RequestCache:
+        """A new request holding a copy of what src committed: new blocks with the KV of src's
+        committed blocks in every attention layer (the MTP layer included), and a new slot with
+        src's committed GDN conv window and recurrent state, plus num_draft_slots draft slots.
+        dst then continues on its own: nothing is shared, so either may write or free freely."""
+        src = self.get(src_request_id)
+        if dst_request_id in self._requests:
+            raise ValueError(f"request {dst_request_id!r} already holds cache memory; free it first")
+        num_tokens = src.num_committed_tokens
+        if num_draft_slots < 0:
+            raise ValueError(f"cannot fork with {num_draft_slots} draft slots")
+        if not self.can_admit(num_tokens, num_draft_slots):
+            raise CacheCapacityError(
+                f"fork of request {src_request_id!r} needs {self.spec.blocks_for(num_tokens)} KV blocks "
+                f"({self.num_free_blocks} free) and {1 + num_draft_slots} state slots ({self.num_free_slots} free)"
+            )
+        dst = self.allocate(dst_request_id, num_tokens, num_draft_slots)
+        if dst.block_table:
+            device = self.kv_caches[0].device
+            old = torch.tensor(src.block_table[:len(dst.block_table)], device=device)
+            new = torch.tensor(dst.block_table, device=device)
+            for kv in self.kv_caches:
+                kv.index_copy_(0, new, kv.index_select(0, old))
+        for pool in (*self.conv_states, *self.recurrent_states):
+            pool[dst.slot].copy_(pool[src.slot])
+        dst.num_committed_tokens = num_tokens
+        return dst
 
     # -- release -------------------------------------------------------------------------
 
