@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import os
 import random
 import time
 
@@ -93,10 +94,13 @@ class LLMEngine:
         spec = cache_spec_for(self.model_config, self.model, config.block_size, checkpoint_hidden=prefix_on and k > 0)
         num_checkpoints = (config.prefix_checkpoints or 2 * config.max_num_seqs) if prefix_on else 0
         max_len = config.max_model_len or self.model_config.max_position_embeddings
-        if max_len > self.model_config.max_position_embeddings:   # refused as vLLM does
+        # Refused as vLLM does, unless told otherwise (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+        if (max_len > self.model_config.max_position_embeddings
+                and os.environ.get("HYBRID_ENGINE_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
             raise ValueError(f"max_model_len ({max_len}) is greater than the model's max_position_embeddings "
                              f"({self.model_config.max_position_embeddings}) in {config.model}/config.json; "
-                             "positions past it were never trained")
+                             "positions past it were never trained (set "
+                             "HYBRID_ENGINE_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway)")
         budget = config.cache_memory_bytes
         if budget is None:
             per_seq_blocks = math.ceil(min(max_len, DEFAULT_KV_TOKENS_PER_SEQ) / config.block_size)

@@ -109,6 +109,13 @@ def test_max_model_len_above_max_position_embeddings_is_refused(ckpt):
     assert LLM(model=str(ckpt), dtype="float32", max_model_len=4096).engine.max_model_len <= 4096
 
 
+def test_long_max_model_len_is_allowed_when_asked_for(ckpt, monkeypatch):
+    monkeypatch.setenv("HYBRID_ENGINE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(model=str(ckpt), dtype="float32", max_model_len=5000, cache_memory_bytes=64 << 20)
+    assert llm.engine.max_model_len > 4096
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"device": "tpu9"}, "not a torch device"),
     ({"device": "mps"}, "not supported"),

@@ -285,3 +285,23 @@ def test_missing_fields_take_the_generation_config_defaults(llm, api):
                                    extra_body={"repetition_penalty": 1.0})
     unpenalised = llm.generate(PROMPTS[1], offline_params(llm, max_tokens=12, repetition_penalty=1.0), use_tqdm=False)
     assert plain.choices[0].text == unpenalised[0].text != r.choices[0].text
+
+
+def test_metrics_count_prefix_cache_queries_and_hits():
+    """With prefix caching on, /metrics carries vLLM's prefix-cache token counters, equal to the
+    engine's own stats: a repeated 40-token prompt hits its 32 full-block tokens."""
+    llm = LLM(dtype="float32", max_num_seqs=2, enable_prefix_caching=True)
+    try:
+        prompt = list(range(5, 45))
+        with running_server(llm) as s:
+            for _ in range(2):
+                r = _post(s, "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": 2,
+                                                 "temperature": 0})
+                assert r.status_code == 200
+            stats = llm.loop.run_on_loop(lambda e: e.prefix_cache_stats)
+            assert stats["hit_tokens"] == 32
+            assert _metric(s, 'vllm:prefix_cache_hits_total{model_name="default"}') == stats["hit_tokens"]
+            assert _metric(s, 'vllm:prefix_cache_queries_total{model_name="default"}') == stats["query_tokens"]
+            assert _metric(s, 'hybrid_engine:prefix_cache_checkpoints{model_name="default"}') == stats["checkpoints_held"]
+    finally:
+        llm.shutdown()

@@ -30,6 +30,7 @@ class EngineGauges:
     kv_cache_usage: float      # fraction of KV blocks in use
     state_slot_usage: float    # fraction of GDN state slots in use (draft slots included)
     num_preemptions: int
+    prefix_cache: dict | None = None   # LLMEngine.prefix_cache_stats (None: caching off)
 
 
 def read_engine_gauges(engine) -> EngineGauges:
@@ -38,7 +39,7 @@ def read_engine_gauges(engine) -> EngineGauges:
         num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
         kv_cache_usage=usage["blocks_used"] / max(usage["blocks_total"], 1),
         state_slot_usage=usage["slots_used"] / max(usage["slots_total"], 1),
-        num_preemptions=engine.num_preemptions)
+        num_preemptions=engine.num_preemptions, prefix_cache=engine.prefix_cache_stats)
 
 
 class ServerMetrics:
@@ -55,6 +56,14 @@ class ServerMetrics:
                             label, registry=r)
         self._preemptions = Gauge("vllm:num_preemptions", "Preemptions since the engine started.",
                                   label, registry=r)
+        # vLLM's prefix-cache counters count tokens: queried (prompt tokens looked up) and hit.
+        self._prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                       label, registry=r)
+        self._prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                    label, registry=r)
+        self._checkpoints = Gauge("hybrid_engine:prefix_cache_checkpoints", "GDN state checkpoints held.",
+                                  label, registry=r)
+        self._prefix_seen = (0, 0)     # the engine's cumulative (queried, hit) tokens at the last scrape
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label, registry=r)
         self.request_success = Counter("vllm:request_success", "Requests finished, by finish reason.",
@@ -114,4 +123,13 @@ class ServerMetrics:
             self._kv.labels(name).set(gauges.kv_cache_usage)
             self._slots.labels(name).set(gauges.state_slot_usage)
             self._preemptions.labels(name).set(gauges.num_preemptions)
+            if gauges.prefix_cache is not None:
+                self._observe_prefix_cache(gauges.prefix_cache)
         return generate_latest(self.registry)
+
+    def _observe_prefix_cache(self, stats: dict) -> None:
+        name, (queried, hit) = self.model_name, self._prefix_seen
+        self._prefix_queries.labels(name).inc(stats["query_tokens"] - queried)
+        self._prefix_hits.labels(name).inc(stats["hit_tokens"] - hit)
+        self._prefix_seen = (stats["query_tokens"], stats["hit_tokens"])
+        self._checkpoints.labels(name).set(stats["checkpoints_held"])
