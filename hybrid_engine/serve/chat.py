@@ -66,14 +66,7 @@ def _usage(plan: ChatPlan, outputs) -> UsageInfo:
 async def complete(req: ChatCompletionRequest, client: EngineClient, model: str) -> ChatCompletionResponse:
     plan = prepare(req, client)
     rid = new_id("chatcmpl")
-    gen = client.generate(plan.choices, rid)
-    final = [None] * len(plan.choices)
-    try:
-        async for index, out in gen:
-            if out.finished:
-                final[index] = out
-    finally:
-        gen.close()
+    final = await client.final_outputs(plan.choices, rid)
     tok = client.engine.tokenizer
     result = []
     for index, out in enumerate(final):

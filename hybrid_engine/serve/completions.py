@@ -54,14 +54,7 @@ def _text(client: EngineClient, out) -> str:
 async def complete(req: CompletionRequest, client: EngineClient, model: str) -> CompletionResponse:
     choices, prompt_ids = prepare(req, client)
     rid = new_id("cmpl")
-    gen = client.generate(choices, rid)
-    final = [None] * len(choices)
-    try:
-        async for index, out in gen:
-            if out.finished:
-                final[index] = out
-    finally:
-        gen.close()
+    final = await client.final_outputs(choices, rid)
     tok = client.engine.tokenizer
     result = []
     for index, out in enumerate(final):

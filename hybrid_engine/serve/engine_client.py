@@ -46,6 +46,18 @@ class EngineClient:
                                 f"(at most {self.max_pending_requests}); retry later")
         return Generation(self, choices, request_id)
 
+    async def final_outputs(self, choices: list[Choice], request_id: str) -> list:
+        """Runs the choices to the end (a non-streaming response): each one's finished output."""
+        gen = self.generate(choices, request_id)
+        final = [None] * len(choices)
+        try:
+            async for index, out in gen:
+                if out.finished:
+                    final[index] = out
+        finally:   # a client that gave up (cancelled here) aborts what still runs
+            gen.close()
+        return final
+
 
 class Generation:
     """Async iterator over (choice index, RequestOutput) until every choice has finished."""
