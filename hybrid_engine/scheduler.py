@@ -83,7 +83,8 @@ class Scheduler:
             # With speculation a decode verifies its drafts; the last token of a chunked or
             # re-run prefill has none yet, so it stays a (one-token) prefill segment.
             is_decode = need == 1 and (self.num_draft_slots == 0 or bool(req.draft_token_ids))
-            n = 1 + len(req.draft_token_ids) if is_decode else min(_prefill_need(req), budget)
+            n = (1 + len(req.draft_token_ids) if is_decode
+                 else min(_prefill_need(req, req.num_computed_tokens), budget))
             if n == 0 or budget < n:
                 continue
             if self.prefix is not None and not is_decode:
@@ -107,7 +108,7 @@ class Scheduler:
                 if self.prefix.should_wait(req, hit, self.running):
                     break
             start = hit.num_tokens if hit is not None else 0
-            n = min(req.num_tokens - start - (1 if req.forks else 0), budget)
+            n = min(_prefill_need(req, start), budget)
             if self.prefix is not None:
                 n = self.prefix.plan_chunk(req, start, n, self._queued())
             total = self._tokens_to_hold(req, start, n)
@@ -186,6 +187,7 @@ class Scheduler:
         self.cache.free(req.request_id)
 
 
-def _prefill_need(req: Request) -> int:
-    """Tokens left to prefill; one fewer while siblings wait for its prompt prefix."""
-    return req.num_uncomputed_tokens - (1 if req.forks else 0)
+def _prefill_need(req: Request, start: int) -> int:
+    """Tokens left to prefill from `start` (the computed or prefix-cached tokens); one fewer
+    while siblings wait for its prompt prefix."""
+    return req.num_tokens - start - (1 if req.forks else 0)
