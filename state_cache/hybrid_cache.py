@@ -404,6 +404,11 @@ class HybridCacheManager:
         checkpoint = self.checkpoints.entry_for(key, num_tokens, None)
         return None if checkpoint is None else checkpoint.entry
 
+    def discard_checkpoints(self, entries: list[int]) -> None:
+        """Reserved entries whose forward failed: unpublished, their memory free again."""
+        for entry in entries:
+            self.checkpoints.discard(entry)
+
     def write_checkpoint_hidden(self, entry: int, hidden: torch.Tensor) -> None:
         """The target's hidden state at the last position of a reserved checkpoint (kept only
         for the MTP layer)."""

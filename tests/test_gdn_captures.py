@@ -137,3 +137,36 @@ def test_caching_on_adds_no_prefill_step(ckpt, k):
         if on:
             assert engine.prefix_cache_stats["checkpoints_taken"] >= 6
     assert results[True] == results[False]
+
+
+def test_a_failed_forward_publishes_no_unwritten_checkpoint(ckpt):
+    """The checkpoints reserved for a forward that raises are withdrawn: a later request with
+    the same prompt finds no prefix to resume from, and its output equals the plain run's."""
+    rng = random.Random(6)
+    prompt = [rng.randrange(256) for _ in range(110)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", enable_prefix_caching=True))
+    forward = engine.runner.forward
+
+    def failing(inputs):
+        assert inputs.batch.gdn_captures is not None        # this step meant to write one
+        raise RuntimeError("forward failed")
+
+    engine.runner.forward = failing
+    engine.add_request(prompt, params, request_id="a")
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()
+    engine.abort_request("a")
+    assert engine.cache.checkpoints.published() == []
+    engine.runner.forward = forward
+    engine.add_request(prompt, params, request_id="b")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = out.token_ids
+    assert engine.prefix.stats.num_hit_tokens == 0
+    plain = LLMEngine(EngineConfig(model=ckpt, dtype="float32"))
+    plain.add_request(prompt, params, request_id="c")
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            want = out.token_ids
+    assert got == want
