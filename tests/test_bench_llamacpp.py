@@ -105,3 +105,32 @@ def test_cpu_isa_sets_and_restores_the_override(monkeypatch):
     with bench.cpu_isa(None):
         assert "HYBRID_ENGINE_CPU_ISA" not in os.environ
     assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "none"
+
+
+def test_llama_bench_runs_the_prompt_and_the_generation_asked_for():
+    command = bench.llama_bench_command(Path("/b/llama-bench"), Path("/m.gguf"), threads=2, runs=3)
+    assert command == ["/b/llama-bench", "-m", "/m.gguf", "-t", "2", "-p", "512", "-n", "128", "-r", "3", "-o", "json"]
+    assert bench.PROMPT == 512 == bench.PREFILL_LEN          # our prefill measures the same prompt length
+    assert bench.llama_bench_command(Path("b"), Path("m"), 1, 1, generate=16)[8] == "16"
+
+
+def test_the_table_names_the_generation_length_it_was_given():
+    rows = [{"level": "native", "dtype": "bfloat16", "engine": "llama.cpp", "pp512": {"tok_s": 80.0},
+             "tg16": {"tok_s": 16.0}},
+            {"level": "native", "dtype": "bfloat16", "engine": "ours", "pp512": {"tok_s": 100.0},
+             "tg16": {"tok_s": 8.0}}]
+    lines = bench.table(rows, generate=16).splitlines()
+    assert "tg16 tok/s" in lines[0] and lines[2].split()[-2:] == ["1.25x", "0.50x"]
+    assert bench.table(rows).splitlines()[2].split()[3:5] == ["100.0", "-"]   # no tg128 in these rows
+
+
+def test_zmm_instructions_are_counted_from_a_disassembly():
+    listing = "\n".join([
+        "0000000000401000 <f>:",
+        "  401000:\tvmovups (%rdi),%zmm0",
+        "  401006:\tvfmadd231ps %ymm1,%ymm2,%ymm3",
+        "  40100b:\tvaddps %zmm1,%zmm0,%zmm0",
+        "  401011:\tret",
+    ])
+    assert bench.zmm_instructions(listing) == 2
+    assert bench.zmm_instructions(listing.replace("zmm", "ymm")) == 0
