@@ -234,9 +234,10 @@ class LLMEngine:
         samples = [self._new_request(sid, text, ids, params, i) for i, sid in enumerate(sample_ids)]
         self.groups[request_id] = RequestGroup(request_id, samples)
         self.requests.update((s.request_id, s) for s in samples)
-        # Sample 0 prefills the shared prefix (hybrid_engine/request_group.py); with prefix
-        # caching the samples share it through the cache instead, as independent requests.
-        if len(ids) > 1 and self.prefix is None:
+        # Sample 0 prefills the shared prefix (hybrid_engine/request_group.py), with or without
+        # prefix caching: a cache hit could not share the prompt's last, partial block, so a
+        # prompt shorter than a block would be computed n times.
+        if len(ids) > 1:
             samples[0].forks = samples[1:]
             self.scheduler.add(samples[0])
         else:

@@ -27,7 +27,7 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
                  enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True,
-                 enable_prefix_caching: bool = False, prefix_checkpoints: int | None = None,
+                 enable_prefix_caching: bool = True, prefix_checkpoints: int | None = None,
                  prefix_checkpoint_interval: int | None = None, generation_config: str = "auto"):
         """generation_config: "auto" takes the default sampling parameters (used when a call
         gives none) from the model folder's generation_config.json; "vllm" ignores that file

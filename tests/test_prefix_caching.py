@@ -61,7 +61,8 @@ def test_outputs_identical_on_and_off(ckpts, family):
                  + 8 * probe.spec.bytes_per_block)
         for cfg in (dict(max_num_batched_tokens=4 * (1 + k) + 12),                  # chunked prefill
                     dict(max_num_batched_tokens=64, cache_memory_bytes=tight)):
-            off = run_staggered(LLMEngine(EngineConfig(**base, **cfg)), prompts, params, arrivals)
+            off = run_staggered(LLMEngine(EngineConfig(**base, **cfg, enable_prefix_caching=False)),
+                                prompts, params, arrivals)
             on_engine = LLMEngine(EngineConfig(**base, **cfg, enable_prefix_caching=True, prefix_checkpoints=8))
             on = run_staggered(on_engine, prompts, params, arrivals)
             for a, b in zip(on, off):
@@ -100,8 +101,8 @@ def test_a_shared_100_token_prefix_hits_96_tokens(ckpts):
     system = [rng.randrange(256) for _ in range(100)]
     prompts = [system + [rng.randrange(256) for _ in range(rng.randint(20, 40))] for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    reference = [o.token_ids for o in LLM(model=ckpts["qwen3_5"], dtype="float32").generate(
-        prompts, params, use_tqdm=False)]
+    reference = [o.token_ids for o in LLM(model=ckpts["qwen3_5"], dtype="float32", enable_prefix_caching=False
+                                          ).generate(prompts, params, use_tqdm=False)]
     # Queued together: the branch point among the queued requests is checkpointed first.
     engine = LLMEngine(EngineConfig(model=ckpts["qwen3_5"], dtype="float32", enable_prefix_caching=True))
     outs = run_staggered(engine, prompts, params, [0, 0, 0, 0])

@@ -8,3 +8,11 @@ def assert_no_leak(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
     assert engine.cache.num_free_slots == engine.cache.num_slots
+
+
+def budget_for_blocks(engine, num_blocks: int) -> int:
+    """A cache_memory_bytes that gives an engine configured as `engine` (max_num_seqs,
+    speculation, prefix caching) exactly num_blocks KV blocks: its state slots (the pad slot
+    included) and prefix checkpoints, plus the blocks."""
+    u = engine.cache.usage()
+    return u["state_bytes_total"] + u["checkpoint_bytes_total"] + num_blocks * engine.cache.spec.bytes_per_block
