@@ -300,6 +300,11 @@ class LLMEngine:
                 "checkpoints_held": u["checkpoints_published"], "checkpoints_pending": u["checkpoints_pending"],
                 "checkpoint_lengths": sorted(c.num_tokens for c in self.cache.checkpoints.published())}
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets the cached prefixes no running request holds: later requests compute their
+        prompts again (benchmarks that repeat prompts; vLLM's method of the same name)."""
+        self.cache.reset_prefix_cache()
+
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward for the whole mixed batch; returns outputs of requests that advanced."""

@@ -58,6 +58,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets the cached prefixes no running request holds (vLLM's method of the same name)."""
+        self.loop.run_on_loop(lambda engine: engine.reset_prefix_cache())
+
     def shutdown(self) -> None:
         """Aborts whatever is still running and stops the engine loop's thread."""
         self.loop.shutdown()

@@ -388,6 +388,13 @@ class HybridCacheManager:
             pool.hidden[entry].copy_(hidden)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix nobody holds: idle cached blocks and published
+        checkpoints (vLLM's reset_prefix_cache). Blocks running requests hold stay theirs and
+        cached, so what they share stays read-only."""
+        self._blocks.drop_idle()
+        self.checkpoints.drop_published()
+
     # -- copies --------------------------------------------------------------------------
 
     def can_fork(self, src_request_id: Hashable, num_draft_slots: int = 0, num_tokens: int | None = None) -> bool:

@@ -140,6 +140,7 @@ op = st.one_of(
     st.tuples(st.just("decode"), st.integers(0, 7), st.integers(0, 2)),
     st.tuples(st.just("free"), st.integers(0, 7)),
     st.tuples(st.just("fork"), st.integers(0, 7)),
+    st.tuples(st.just("reset")),
 )
 
 
@@ -161,6 +162,9 @@ def test_random_requests_hits_aborts_preemption_eviction(ops, num_blocks, num_ch
             sim.decode_token(live[o[1] % len(live)], o[2])
         elif live and o[0] == "free":
             sim.free(live[o[1] % len(live)])
+        elif o[0] == "reset":                           # forgets only what nobody holds
+            sim.m.reset_prefix_cache()
+            assert sim.m.usage()["blocks_cached_idle"] == sim.m.usage()["checkpoints_published"] == 0
         elif live and o[0] == "fork":
             sim.fork(live[o[1] % len(live)], f"r{next_id}")
             next_id += 1
@@ -192,6 +196,12 @@ def test_hits_happen_and_shared_blocks_count_once():
     assert sim.m.usage()["blocks_cached_idle"] == 2
     sim.admit("d", [2] * 4)
     assert sim.m.usage()["blocks_cached_idle"] == 1 and sim.m.match_prefix(chain_hashes(prompt, BS), 8) is None
+    sim.check()
+    sim.advance("c", 8, pending=False)                  # cached and checkpointed while c holds them
+    sim.m.reset_prefix_cache()
+    hit = sim.m.match_prefix(chain_hashes([1] * 24, BS), 23)
+    assert hit is None and sim.m.num_cached_prefix_blocks(chain_hashes([1] * 24, BS)) == 2
+    assert sim.m.usage()["blocks_cached_idle"] == 0 and sim.m.checkpoints.num_free == sim.m.checkpoints.size
     sim.check()
 
 

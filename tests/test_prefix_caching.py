@@ -225,3 +225,24 @@ def test_inspect_verify_prefix_compares_a_hit_with_a_recompute(ckpts, tmp_path):
     r = json.loads(report.read_text())
     assert r["ok"] and r["cached_tokens"] == 48 and r["max_abs_state_delta"] <= 1e-5
     assert r["prefix_cache"]["hits"] == 1 and 48 in r["prefix_cache"]["checkpoint_lengths"]
+
+
+def test_caching_is_on_by_default_and_off_everywhere_when_asked(ckpts, tmp_path):
+    from hybrid_engine.cli import _parse, main
+
+    assert EngineConfig().enable_prefix_caching and LLM(model=ckpts["qwen3_5"]).engine.prefix is not None
+    assert LLM(model=ckpts["qwen3_5"], enable_prefix_caching=False).engine.cache.checkpoints.size == 0
+    for command in (["generate", "x"], ["serve"], ["bench"]):
+        assert _parse(command).enable_prefix_caching
+        assert not _parse([*command, "--no-enable-prefix-caching"]).enable_prefix_caching
+    reports = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"{flag}.json"
+        assert main(["inspect", "--model", ckpts["qwen3_5"], "--step", "2", "1 2 3", flag, "--json", str(out)]) == 0
+        reports[flag] = json.loads(out.read_text())["steps"][-1]
+    on, off = reports["--enable-prefix-caching"], reports["--no-enable-prefix-caching"]
+    assert on["prefix_cache"]["queries"] == 1 and on["pools"]["checkpoints"]["total"] > 0
+    assert off["prefix_cache"] is None and off["pools"]["checkpoints"]["total"] == 0
+    # The checkpoint pool is part of the one budget: its bytes are in the pools' report.
+    assert on["pools"]["bytes"]["checkpoints"]["total"] == (
+        on["pools"]["checkpoints"]["total"] * on["pools"]["checkpoints"]["bytes_per_checkpoint"])
