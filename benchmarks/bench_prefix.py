@@ -1,6 +1,7 @@
 """Prefix caching benchmark (issue 18): what a hit saves and what caching costs.
 
-    python benchmarks/bench_prefix.py --model default --runs 1          # the embedded model: ~1-2 min
+    python benchmarks/bench_prefix.py --model default --runs 1     # the embedded model, the issue's sizes
+    python benchmarks/bench_prefix.py --model default --runs 1 --history 600 --system 300 --requests 8 --decode-tokens 64
     python benchmarks/bench_prefix.py --model 0.8b --only ttft --runs 2 --threads 2
     python benchmarks/bench_prefix.py --model 0.8b --only shared_system_prompt --runs 1 --requests 16 --system 1000
     python benchmarks/bench_prefix.py --model 0.8b --only checkpoint_cost --runs 1 --history 1024
@@ -22,7 +23,8 @@ Four measurements (--only picks some), each on a fresh engine per setting (cachi
 
 --model 0.8b is random weights at Qwen3.5-0.8B dims (benchmarks/random_checkpoint.py), written
 once under --cache-dir; --model default (alias tiny) is the embedded model (192 hidden, 8
-layers): the same code paths in seconds, for checking the script and the ratios of counts.
+layers): the same code paths in minutes (the second command above: about one), for checking
+the script and the ratios of counts.
 Timings are medians of --runs. A table is printed; the JSON goes to --json, by default
 benchmarks/results/bench_prefix_<only>_<model>_<date>.json.
 """
