@@ -76,6 +76,15 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self._fork_shared_prefixes()
+        peers_by_block = None     # queued requests by first block, built at the first prefill planned
+
+        def branch_peers(req: Request) -> list[Request]:
+            nonlocal peers_by_block
+            if peers_by_block is None:    # admissions only move requests between the two queues
+                peers_by_block = self.prefix.requests_by_first_block(self._queued())
+            hashes = self.prefix.block_hashes(req)
+            return peers_by_block.get(hashes[0], []) if hashes else []
+
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:      # preempted earlier in this loop
                 continue
@@ -88,7 +97,7 @@ class Scheduler:
             if n == 0 or budget < n:
                 continue
             if self.prefix is not None and not is_decode:
-                n = self.prefix.plan_chunk(req, req.num_computed_tokens, n, self._queued())
+                n = self.prefix.plan_chunk(req, req.num_computed_tokens, n, branch_peers(req))
             total = self._tokens_to_hold(req, req.num_computed_tokens, n)
             if not self._make_room(req, total, batch):
                 continue
@@ -110,7 +119,7 @@ class Scheduler:
             start = hit.num_tokens if hit is not None else 0
             n = min(_prefill_need(req, start), budget)
             if self.prefix is not None:
-                n = self.prefix.plan_chunk(req, start, n, self._queued())
+                n = self.prefix.plan_chunk(req, start, n, branch_peers(req))
             total = self._tokens_to_hold(req, start, n)
             if not self.cache.can_admit(total, self.num_draft_slots, hit):
                 break
