@@ -17,7 +17,8 @@ Four measurements (--only picks some), each on a fresh engine per setting (cachi
   steps, checkpoints taken (at prefill vs while decoding), bytes per checkpoint and the time
   of each checkpoint copy (HybridCacheManager.save_checkpoint, timed around each call).
   Policies: prompt_end (one `--history`-token prompt), branch_points (`--branches` prompts
-  sharing their first half, queued together), every_512 / every_256 (one prompt with
+  sharing their first half, queued together: with caching on they also hit that half, so
+  its wall time holds the savings too), every_512 / every_256 (one prompt with
   prefix_checkpoint_interval), decode (a 64-token prompt generating `--decode-tokens` tokens:
   one checkpoint per block boundary crossed).
 
