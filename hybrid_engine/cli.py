@@ -84,8 +84,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, dtype_default: str | N
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default: 16)")
     g.add_argument("--max-num-seqs", type=int, default=16,
                    help="most requests running at once (default: 16)")
-    g.add_argument("--prefix-caching", action="store_true",
-                   help="share cached prompt prefixes between requests (KV blocks and GDN checkpoints)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached prompt prefixes between requests (KV blocks and GDN checkpoints; "
+                        "default: on, as in vLLM)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile decode/verify steps and MTP drafting: faster steps after "
                         "tens of seconds of compiling at the first steps (CPU)")
@@ -119,7 +120,7 @@ def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
                max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * (1 + num_speculative_tokens)),
                speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False),
                cache_memory_bytes=getattr(args, "cache_memory_bytes", None),
-               enable_prefix_caching=getattr(args, "prefix_caching", False))
+               enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
 
 
 def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()

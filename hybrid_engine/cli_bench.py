@@ -132,6 +132,8 @@ def _load_and_warm_up(args, ks: list[int], raw: list, params, bar) -> tuple[dict
 
 
 def _timed_run(llm, prompts, params, batch_size: int, m: Measured, bar) -> None:
+    # Every repeat prefills its prompts: none is served from the previous repeat's prefix cache.
+    llm.reset_prefix_cache()
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         outs += llm.generate(prompts[i:i + batch_size], params, use_tqdm=False)

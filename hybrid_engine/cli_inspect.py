@@ -177,11 +177,15 @@ def _step_report(engine, step: int, finished: dict, states: dict) -> dict:
 
 
 def _pools(engine) -> dict:
+    from hybrid_engine.state_cache import CheckpointPool
+
     cache, spec = engine.cache, engine.cache.spec
     u = cache.usage()
     held = [cache.get(rid) for rid in engine.requests if cache.has(rid)]
     conv_slot = spec.num_gdn_layers * math.prod(spec.conv_slot_shape) * spec.conv_dtype.itemsize
     rec_slot = spec.num_gdn_layers * math.prod(spec.recurrent_slot_shape) * spec.state_dtype.itemsize
+    checkpoints_held = u["checkpoints_published"] + u["checkpoints_pending"]
+    ckpt_bytes = CheckpointPool.bytes_per_checkpoint(spec)
     return {
         "kv_blocks": {"total": u["blocks_total"], "used": u["blocks_used"], "free": u["blocks_free"],
                       "block_size": spec.block_size, "attention_layers": spec.num_attention_layers,
@@ -190,10 +194,15 @@ def _pools(engine) -> dict:
                         "committed": len(held), "draft": sum(len(rc.draft_slots) for rc in held),
                         "draft_slots_per_request": engine.num_speculative_tokens,
                         "bytes_per_slot": spec.bytes_per_slot},
+        # Prefix caching's GDN checkpoints (none when it is off): held ones are published or
+        # still owned by a running request (pending).
+        "checkpoints": {"total": u["checkpoints_total"], "used": checkpoints_held,
+                        "free": u["checkpoints_total"] - checkpoints_held, "bytes_per_checkpoint": ckpt_bytes},
         "bytes": {kind: {"total": total, "used": used} for kind, total, used in (
             ("kv", u["kv_bytes_total"], u["kv_bytes_used"]),
             ("conv", u["slots_total"] * conv_slot, u["slots_used"] * conv_slot),
-            ("recurrent", u["slots_total"] * rec_slot, u["slots_used"] * rec_slot))},
+            ("recurrent", u["slots_total"] * rec_slot, u["slots_used"] * rec_slot),
+            ("checkpoints", u["checkpoint_bytes_total"], checkpoints_held * ckpt_bytes))},
     }
 
 
@@ -248,6 +257,11 @@ def _pools_table(p: dict):
     for kind in ("conv", "recurrent"):
         table.add_row(f"  of which {kind} state", "", "", "", "",
                       f"{_bytes(b[kind]['used'])} / {_bytes(b[kind]['total'])}")
+    ck = p["checkpoints"]
+    if ck["total"]:
+        table.add_row("prefix checkpoints (GDN state + hidden)", str(ck["total"]), str(ck["used"]), str(ck["free"]),
+                      _bytes(ck["bytes_per_checkpoint"]),
+                      f"{_bytes(b['checkpoints']['used'])} / {_bytes(b['checkpoints']['total'])}")
     return table
 
 

@@ -32,7 +32,7 @@ def verify_prefix(args, prompts_of) -> int:
     k = args.speculative_tokens
     runs = {}
     for on in (False, True):
-        llm = build_llm(argparse.Namespace(**{**vars(args), "prefix_caching": on}), k, dtype=args.dtype or "float32")
+        llm = build_llm(argparse.Namespace(**{**vars(args), "enable_prefix_caching": on}), k, dtype=args.dtype or "float32")
         prompts = [llm.engine.encode_prompt(p)[1] for p in prompts_of(llm)]
         if len(prompts) < 2:
             prompts = [prompts[0], prompts[0][-4:]]

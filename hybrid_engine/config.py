@@ -34,8 +34,8 @@ class EngineConfig:
     bf16_few_rows_copy: bool = True
     # Automatic prefix caching (hybrid_engine/prefix_caching.py): full KV blocks are shared by
     # content and GDN states are checkpointed at block boundaries, so a request whose prompt
-    # starts like an earlier one computes only the rest.
-    enable_prefix_caching: bool = False
+    # starts like an earlier one computes only the rest. On by default, as in vLLM.
+    enable_prefix_caching: bool = True
     # GDN checkpoints kept (None: 2 per sequence); each costs one state slot plus a hidden
     # vector (about 1,000 tokens of KV at Qwen3.5-0.8B dims), inside cache_memory_bytes.
     prefix_checkpoints: int | None = None

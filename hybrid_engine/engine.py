@@ -234,9 +234,10 @@ class LLMEngine:
         samples = [self._new_request(sid, text, ids, params, i) for i, sid in enumerate(sample_ids)]
         self.groups[request_id] = RequestGroup(request_id, samples)
         self.requests.update((s.request_id, s) for s in samples)
-        # Sample 0 prefills the shared prefix (hybrid_engine/request_group.py); with prefix
-        # caching the samples share it through the cache instead, as independent requests.
-        if len(ids) > 1 and self.prefix is None:
+        # Sample 0 prefills the shared prefix (hybrid_engine/request_group.py), with or without
+        # prefix caching: a cache hit could not share the prompt's last, partial block, so a
+        # prompt shorter than a block would be computed n times.
+        if len(ids) > 1:
             samples[0].forks = samples[1:]
             self.scheduler.add(samples[0])
         else:
@@ -298,6 +299,11 @@ class LLMEngine:
         return {**self.prefix.stats.as_dict(), "blocks_cached": u["blocks_cached"],
                 "checkpoints_held": u["checkpoints_published"], "checkpoints_pending": u["checkpoints_pending"],
                 "checkpoint_lengths": sorted(c.num_tokens for c in self.cache.checkpoints.published())}
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the cached prefixes no running request holds: later requests compute their
+        prompts again (benchmarks that repeat prompts; vLLM's method of the same name)."""
+        self.cache.reset_prefix_cache()
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

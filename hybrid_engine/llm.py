@@ -27,7 +27,7 @@ class LLM:
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
                  enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True,
-                 enable_prefix_caching: bool = False, prefix_checkpoints: int | None = None,
+                 enable_prefix_caching: bool = True, prefix_checkpoints: int | None = None,
                  prefix_checkpoint_interval: int | None = None, generation_config: str = "auto"):
         """generation_config: "auto" takes the default sampling parameters (used when a call
         gives none) from the model folder's generation_config.json; "vllm" ignores that file
@@ -57,6 +57,10 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the cached prefixes no running request holds (vLLM's method of the same name)."""
+        self.loop.run_on_loop(lambda engine: engine.reset_prefix_cache())
 
     def shutdown(self) -> None:
         """Aborts whatever is still running and stops the engine loop's thread."""

@@ -94,6 +94,23 @@ class PrefixCaching:
             n += 1
         return n
 
+    def requests_by_first_block(self, requests: list[Request]) -> dict[bytes, list[Request]]:
+        """The requests with a full block, by the hash of their first: only requests under one
+        key can share a block-aligned prefix (a branch point). Two of each distinct chain of
+        full blocks (named by its last hash) stand for all of them: the branch points they give
+        are the same, and two so that one remains when the request asking is one of them.
+        Built once per schedule, so that finding a prefill's branch points costs its distinct
+        peers, not every queued request (with thousands queued, a scan per admission made
+        scheduling quadratic)."""
+        groups: dict[bytes, list[Request]] = {}
+        per_chain: dict[bytes, int] = {}
+        for r in requests:
+            hashes = self.block_hashes(r)
+            if hashes and per_chain.get(hashes[-1], 0) < 2:
+                per_chain[hashes[-1]] = per_chain.get(hashes[-1], 0) + 1
+                groups.setdefault(hashes[0], []).append(r)
+        return groups
+
     # -- admission --------------------------------------------------------------------------
 
     def match(self, req: Request) -> PrefixHit | None:
@@ -131,10 +148,12 @@ class PrefixCaching:
         """For each prefill chunk (request, tokens from its computed ones): the wanted checkpoint
         positions inside it, each with the checkpoint entry reserved for its forward to write."""
         reserved = []
+        peers = self.requests_by_first_block(others) if prefills else {}
         for req, n in prefills:
             start = req.num_computed_tokens
             hashes = self.block_hashes(req)
-            for p in self._checkpoint_positions(req, others, start, start + n):
+            mine = peers.get(hashes[0], []) if hashes else []
+            for p in self._checkpoint_positions(req, mine, start, start + n):
                 entry = self.cache.reserve_checkpoint(hashes[p // self.block_size - 1], p)
                 if entry is not None:
                     reserved.append((req.request_id, p, entry))

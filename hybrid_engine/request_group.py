@@ -3,9 +3,10 @@
 The n samples are n Requests, each with its own sequence, seed, stop checks and cache. The
 prompt is prefilled once:
 1. sample 0 prefills the prompt but its last token, and samples 1..n-1 wait as its `forks`;
-2. then the scheduler forks its cache to each sibling (HybridCacheManager.fork copies the KV
-   blocks of every attention layer, the MTP layer's included, and the committed GDN conv
-   window and recurrent state into the sibling's own blocks and slot);
+2. then the scheduler forks its cache to each sibling (HybridCacheManager.fork shares its
+   prefix-cached blocks, copies the other KV blocks of every attention layer, the MTP layer's
+   included, and the committed GDN conv window and recurrent state into the sibling's own
+   blocks and slot);
 3. every sample then computes the last prompt token itself and samples from its own logits
    row, and from there runs as any request: decode or verify, stops, preemption (a preempted
    sample re-prefills on its own) and finish.

@@ -137,7 +137,7 @@ class Scheduler:
             left = []
             for sibling in siblings:
                 if (len(self.running) < self.max_num_seqs
-                        and self.cache.can_admit(total, self.num_draft_slots)):
+                        and self.cache.can_fork(parent.request_id, self.num_draft_slots, total)):
                     self.cache.fork(parent.request_id, sibling.request_id, self.num_draft_slots)
                     sibling.num_computed_tokens = parent.num_computed_tokens
                     sibling.status = RequestStatus.RUNNING

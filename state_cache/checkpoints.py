@@ -98,6 +98,11 @@ class CheckpointPool:
             self._pending[owner] = ckpt
         return ckpt
 
+    def drop_published(self) -> None:
+        """Forgets every published checkpoint; pending ones stay with their owners."""
+        self._free.extend(c.entry for c in self._published.values())
+        self._published.clear()
+
     def release(self, owner: Hashable) -> None:
         """`owner` finished or was preempted: its pending checkpoint becomes a published one
         (or returns to the free list when the key is already published)."""

@@ -10,8 +10,9 @@ Two pools, sized once at start-up:
 A request is admitted only if both kinds fit. Every verb checks before it changes anything:
 a refused call (CacheCapacityError, ValueError, KeyError) leaves the manager as it was.
 
-`fork` gives a new request its own copy of what another has committed (the n samples of one
-prompt share its prefill this way: hybrid_engine/request_group.py).
+`fork` gives a new request what another has committed: its prefix-cached blocks shared, a
+copy of the rest (the n samples of one prompt share its prefill this way:
+hybrid_engine/request_group.py).
 
 Each outcome of a step has one verb: `commit` (a prefill chunk or a plain decode was
 written), `commit_verify` (a verify step: the KV length and the committed GDN slot move
@@ -136,7 +137,8 @@ class HybridCacheManager:
                 f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}, plus the pad slot) and {num_checkpoints} "
                 f"prefix checkpoints take {slot_bytes} bytes and "
                 f"one KV block per seq takes {max_num_seqs * spec.bytes_per_block} more; "
-                f"need at least {needed} bytes, or lower max_num_seqs / draft slots"
+                f"need at least {needed} bytes, or lower max_num_seqs / draft slots / prefix_checkpoints "
+                f"(enable_prefix_caching=False keeps none)"
             )
         return cls(spec, num_blocks, num_slots, device, num_checkpoints, copy_last_hit_block)
 
@@ -415,38 +417,65 @@ class HybridCacheManager:
         if self.spec.hidden_size:
             self.checkpoints.hidden[entry].copy_(hidden)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix nobody holds: idle cached blocks and published
+        checkpoints (vLLM's reset_prefix_cache). Blocks running requests hold stay theirs and
+        cached, so what they share stays read-only."""
+        self._blocks.drop_idle()
+        self.checkpoints.drop_published()
+
     # -- copies --------------------------------------------------------------------------
 
-    def can_fork(self, src_request_id: Hashable, num_draft_slots: int = 0) -> bool:
-        """Whether `fork` from this request would fit now."""
-        return self.can_admit(self.get(src_request_id).num_committed_tokens, num_draft_slots)
+    def can_fork(self, src_request_id: Hashable, num_draft_slots: int = 0, num_tokens: int | None = None) -> bool:
+        """Whether `fork` from this request would fit now, and (num_tokens) whether the copy
+        could then hold num_tokens tokens."""
+        src = self.get(src_request_id)
+        need = self.spec.blocks_for(max(num_tokens or 0, src.num_committed_tokens)) - len(self._shared_by_fork(src))
+        return need <= self.num_free_blocks and 1 + num_draft_slots <= self.num_free_slots
+
+    def _shared_by_fork(self, src: RequestCache) -> list[int]:
+        """src's first blocks a fork shares instead of copying: the leading run of those in the
+        prefix cache (committed, full, never written again). The blocks after are copied."""
+        shared = []
+        for b in src.block_table[:src.num_cached_blocks]:
+            if self._blocks.hash_of(b) is None:       # its holder's own copy (MTP's hit block, a duplicate)
+                break
+            shared.append(b)
+        return shared
 
     def fork(self, src_request_id: Hashable, dst_request_id: Hashable, num_draft_slots: int = 0) -> RequestCache:
-        """A new request holding a copy of what src committed: new blocks with the KV of src's
-        committed blocks in every attention layer (the MTP layer included), and a new slot with
-        src's committed GDN conv window and recurrent state, plus num_draft_slots draft slots.
-        dst then continues on its own: nothing is shared, so either may write or free freely."""
+        """A new request holding what src committed: src's cached blocks shared (read-only, by
+        reference, as a prefix hit shares them), a copy of its other committed blocks in every
+        attention layer (the MTP layer included), and a new slot with src's committed GDN conv
+        window and recurrent state, plus num_draft_slots draft slots. dst then continues on its
+        own: what it may write is its own, so either may write or free freely."""
         src = self.get(src_request_id)
         if dst_request_id in self._requests:
             raise ValueError(f"request {dst_request_id!r} already holds cache memory; free it first")
         num_tokens = src.num_committed_tokens
         if num_draft_slots < 0:
             raise ValueError(f"cannot fork with {num_draft_slots} draft slots")
-        if not self.can_admit(num_tokens, num_draft_slots):
+        if not self.can_fork(src_request_id, num_draft_slots):
             raise CacheCapacityError(
                 f"fork of request {src_request_id!r} needs {self.spec.blocks_for(num_tokens)} KV blocks "
-                f"({self.num_free_blocks} free) and {1 + num_draft_slots} state slots ({self.num_free_slots} free)"
+                f"({len(self._shared_by_fork(src))} shared, {self.num_free_blocks} free) and "
+                f"{1 + num_draft_slots} state slots ({self.num_free_slots} free)"
             )
-        dst = self.allocate(dst_request_id, num_tokens, num_draft_slots)
-        if dst.block_table:
+        shared = self._shared_by_fork(src)
+        self._blocks.take(shared)
+        copied = self._blocks.allocate(self.spec.blocks_for(num_tokens) - len(shared))
+        if copied:
             device = self.kv_caches[0].device
-            old = torch.tensor(src.block_table[:len(dst.block_table)], device=device)
-            new = torch.tensor(dst.block_table, device=device)
+            old = torch.tensor(src.block_table[len(shared):len(shared) + len(copied)], device=device)
+            new = torch.tensor(copied, device=device)
             for kv in self.kv_caches:
                 kv.index_copy_(0, new, kv.index_select(0, old))
+        slot, *draft_slots = self._slots.allocate(1 + num_draft_slots)
         for pool in (*self.conv_states, *self.recurrent_states):
-            pool[dst.slot].copy_(pool[src.slot])
-        dst.num_committed_tokens = num_tokens
+            pool[slot].copy_(pool[src.slot])
+        dst = RequestCache(shared + copied, slot, draft_slots, num_tokens, num_committed_tokens=num_tokens,
+                           num_cached_blocks=len(shared))
+        self._requests[dst_request_id] = dst
         return dst
 
     # -- release -------------------------------------------------------------------------

@@ -132,6 +132,13 @@ class PrefixBlockPool:
             else:
                 self._free.append(b)
 
+    def drop_idle(self) -> None:
+        """Forgets every idle cached block (they become free); held blocks keep their hashes."""
+        for block in self._idle:
+            del self._block_of[self._hash_of.pop(block)]
+            self._free.append(block)
+        self._idle.clear()
+
     def register(self, block: int, block_hash: bytes) -> bool:
         """Marks a held, fully committed block as holding the prefix named by block_hash. False
         (and nothing changes) when another block already holds that prefix: the first stays

@@ -8,7 +8,7 @@ import torch
 from hybrid_engine import LLM, LLMEngine, EngineConfig, SamplingParams
 
 from checkpoints import make_hf_model, save_checkpoint
-from engine_checks import assert_no_leak
+from engine_checks import assert_no_leak, budget_for_blocks
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def random_prompts(n, lo, hi, vocab=256, seed=0):
 def test_batch_invariance_chunked_prefill_and_preemption(dense_ckpt):
     prompts = random_prompts(16, 1, 300)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(16)]
-    alone_llm = LLM(model=str(dense_ckpt), dtype="float32")
+    alone_llm = LLM(model=str(dense_ckpt), dtype="float32", enable_prefix_caching=False)   # the plain path
     alone = [alone_llm.generate(p, sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
     assert_no_leak(alone_llm.engine)
 
@@ -38,9 +38,9 @@ def test_batch_invariance_chunked_prefill_and_preemption(dense_ckpt):
     assert [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)] == alone
     assert_no_leak(chunked.engine)
 
-    # A budget of 16 state slots plus ~40 blocks of 16 tokens: far less KV than 16 requests need.
-    probe = together.engine.cache
-    budget = 16 * probe.spec.bytes_per_slot + 40 * probe.spec.bytes_per_block
+    # 16 state slots, the prefix checkpoints and 40 blocks of 16 tokens: far less KV than 16 requests need.
+    probe = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", max_num_seqs=16))
+    budget = budget_for_blocks(probe, 40)
     tight = LLM(model=str(dense_ckpt), dtype="float32", max_num_seqs=16, max_num_batched_tokens=64,
                 cache_memory_bytes=budget)
     assert [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == alone

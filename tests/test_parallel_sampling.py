@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.request_group import sample_request_id
 from hybrid_engine.state_cache import CacheCapacityError, CacheSpec, HybridCacheManager
 
-from engine_checks import assert_no_leak
+from engine_checks import assert_no_leak, budget_for_blocks
 
 PROMPT = "def read_config(path):"
 MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
@@ -83,6 +84,26 @@ def test_the_prompt_is_prefilled_once(batched_tokens):
     assert_no_leak(llm.engine)
 
 
+def test_with_prefix_caching_the_samples_share_the_prompts_full_blocks():
+    prompt = list(range(3, 43))                         # 2 full blocks of 16 and 8 tokens
+    runs = {}
+    for on in (False, True):
+        engine = LLM(dtype="float32", max_num_seqs=4, enable_prefix_caching=on).engine
+        engine.add_request(prompt, sampled(), request_id="r")
+        while not engine.cache.has(sample_request_id("r", 1)):
+            engine.step()                               # sample 0: all but the last prompt token; then forked
+        tables = [engine.cache.get(sample_request_id("r", i)).block_table for i in range(4)]
+        assert len({t[2] for t in tables}) == 4         # the partial block: a copy each
+        shared = {tuple(t[:2]) for t in tables}
+        assert len(shared) == (1 if on else 4)
+        assert engine.cache.block_ref_count(tables[0][0]) == (4 if on else 1)
+        runs[on] = []
+        while engine.has_unfinished_requests():
+            runs[on] += [o for o in engine.step() if o.finished]
+        assert_no_leak(engine)
+    assert completions(runs[True][0]) == completions(runs[False][0])
+
+
 def test_greedy_n_gives_n_copies_of_the_greedy_output(llm):
     greedy = dict(temperature=0.0, seed=None, ignore_eos=False)
     out = llm.generate(PROMPT, sampled(n=3, **greedy), use_tqdm=False)[0]
@@ -107,11 +128,11 @@ def test_preemption_and_n_above_max_num_seqs_change_nothing(llm):
     prompts = [PROMPT, "class Config:\n    def", "import json\n"]
     params = [sampled(n=3, seed=s, max_tokens=28) for s in (1, 20, 40)]
     expected = [completions(o) for o in llm.generate(prompts, params, use_tqdm=False)]
-    probe = llm.engine.cache.spec
     # Two running at most, and 4 blocks of 16 tokens for two of ~36: samples wait for room and
     # get preempted.
+    probe = LLM(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16).engine
     tight = LLM(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
-                cache_memory_bytes=3 * probe.bytes_per_slot + 4 * probe.bytes_per_block)
+                cache_memory_bytes=budget_for_blocks(probe, 4))
     got = tight.generate(prompts, params, use_tqdm=False)
     assert [completions(o) for o in got] == expected
     assert tight.engine.num_preemptions > 0

@@ -1,6 +1,6 @@
 """The prefix cache's memory (state_cache/prefix_blocks.py, checkpoints.py, the manager's hit
-verbs): random requests over a small alphabet (so prefixes repeat), hits, aborts, preemption
-and eviction under a pool too small for them all. The simulated model writes each token id
+verbs): random requests over a small alphabet (so prefixes repeat), hits, forks (n samples),
+aborts, preemption and eviction under a pool too small for them all. The simulated model writes each token id
 into its KV position and a function of the prefix into the GDN slot, so the test can see
 what a hit hands over and whether a cached block ever changes."""
 
@@ -64,6 +64,26 @@ class Sim:
             assert [r[rc.slot].item() for r in self.m.recurrent_states] == [expect] * 2
             assert [c[rc.slot].item() for c in self.m.conv_states] == [expect] * 2
 
+    def fork(self, src, dst) -> None:
+        """The n samples of one prompt: dst takes src's committed prefix (its cached blocks
+        shared, the rest copied) and goes on with the same tokens."""
+        tokens = self.tokens[src]
+        if not self.m.can_fork(src, 1):
+            with pytest.raises(CacheCapacityError):
+                self.m.fork(src, dst, 1)
+            return
+        if not self.m.can_fork(src, 1, len(tokens)):      # the scheduler's check: room for its prompt too
+            return
+        rc = self.m.fork(src, dst, 1)
+        self.m.grow(dst, len(tokens))
+        self.tokens[dst] = list(tokens)
+        committed = rc.num_committed_tokens
+        for pos in range(committed):
+            assert self.kv_token(dst, pos) == [float(self.tokens[dst][pos])] * 2
+        if committed:
+            expect = prefix_state(self.tokens[dst][:committed])
+            assert [r[rc.slot].item() for r in self.m.recurrent_states] == [expect] * 2
+
     def advance(self, rid, n, pending) -> None:
         """The model computes n more tokens (a prefill chunk or decodes), then the step commits."""
         rc, toks = self.m.get(rid), self.tokens[rid]
@@ -119,6 +139,8 @@ op = st.one_of(
     st.tuples(st.just("advance"), st.integers(0, 7), st.integers(1, 9), st.booleans()),
     st.tuples(st.just("decode"), st.integers(0, 7), st.integers(0, 2)),
     st.tuples(st.just("free"), st.integers(0, 7)),
+    st.tuples(st.just("fork"), st.integers(0, 7)),
+    st.tuples(st.just("reset")),
 )
 
 
@@ -140,6 +162,12 @@ def test_random_requests_hits_aborts_preemption_eviction(ops, num_blocks, num_ch
             sim.decode_token(live[o[1] % len(live)], o[2])
         elif live and o[0] == "free":
             sim.free(live[o[1] % len(live)])
+        elif o[0] == "reset":                           # forgets only what nobody holds
+            sim.m.reset_prefix_cache()
+            assert sim.m.usage()["blocks_cached_idle"] == sim.m.usage()["checkpoints_published"] == 0
+        elif live and o[0] == "fork":
+            sim.fork(live[o[1] % len(live)], f"r{next_id}")
+            next_id += 1
         sim.check()
     for rid in sorted(sim.tokens):
         sim.free(rid)
@@ -169,6 +197,12 @@ def test_hits_happen_and_shared_blocks_count_once():
     sim.admit("d", [2] * 4)
     assert sim.m.usage()["blocks_cached_idle"] == 1 and sim.m.match_prefix(chain_hashes(prompt, BS), 8) is None
     sim.check()
+    sim.advance("c", 8, pending=False)                  # cached and checkpointed while c holds them
+    sim.m.reset_prefix_cache()
+    hit = sim.m.match_prefix(chain_hashes([1] * 24, BS), 23)
+    assert hit is None and sim.m.num_cached_prefix_blocks(chain_hashes([1] * 24, BS)) == 2
+    assert sim.m.usage()["blocks_cached_idle"] == 0 and sim.m.checkpoints.num_free == sim.m.checkpoints.size
+    sim.check()
 
 
 def test_stale_hits_and_bad_checkpoints_are_refused():
@@ -190,3 +224,21 @@ def test_stale_hits_and_bad_checkpoints_are_refused():
     with pytest.raises(ValueError, match="stale"):
         sim.m.allocate("b", 5, 0, hit)
     assert not sim.m.has("b")
+
+
+def test_a_fork_shares_the_cached_blocks_and_copies_the_partial_one():
+    sim = Sim(num_blocks=8, num_slots=8, num_checkpoints=2, copy_last=False)
+    sim.admit("a", [0, 1, 2, 0, 1, 2, 0, 1, 2, 1])
+    sim.advance("a", 9, pending=False)                  # 2 full cached blocks + 1 partial
+    free = sim.m.num_free_blocks
+    sim.fork("a", "b")
+    a, b = sim.m.get("a").block_table, sim.m.get("b").block_table
+    assert b[:2] == a[:2] and b[2] != a[2]
+    assert sim.m.num_free_blocks == free - 1
+    assert [sim.m.block_ref_count(x) for x in a] == [2, 2, 1]
+    sim.check()
+    sim.advance("b", 1, pending=False)                  # writes only its own copy
+    sim.check()
+    sim.free("a")
+    sim.free("b")
+    assert sim.m.num_free_blocks == sim.m.num_blocks and sim.m.usage()["blocks_cached_idle"] == 2

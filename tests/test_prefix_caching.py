@@ -28,13 +28,6 @@ def spec(k):
     return {"method": "mtp", "num_speculative_tokens": k} if k else None
 
 
-def assert_prefix_cache_empty(engine) -> None:
-    """No leak, and no checkpoint still owned by a request."""
-    assert_no_leak(engine)
-    pool = engine.cache.checkpoints
-    assert pool.num_pending == 0 and pool.num_free + len(pool.published()) == pool.size
-
-
 def shared_workload(seed=0):
     """Prompts that share prefixes ending at and between block boundaries (block size 16), so
     hits land at several lengths; the last request is seeded sampling, the others greedy."""
@@ -61,7 +54,8 @@ def test_outputs_identical_on_and_off(ckpts, family):
                  + 8 * probe.spec.bytes_per_block)
         for cfg in (dict(max_num_batched_tokens=4 * (1 + k) + 12),                  # chunked prefill
                     dict(max_num_batched_tokens=64, cache_memory_bytes=tight)):
-            off = run_staggered(LLMEngine(EngineConfig(**base, **cfg)), prompts, params, arrivals)
+            off = run_staggered(LLMEngine(EngineConfig(**base, **cfg, enable_prefix_caching=False)),
+                                prompts, params, arrivals)
             on_engine = LLMEngine(EngineConfig(**base, **cfg, enable_prefix_caching=True, prefix_checkpoints=8))
             on = run_staggered(on_engine, prompts, params, arrivals)
             for a, b in zip(on, off):
@@ -72,7 +66,7 @@ def test_outputs_identical_on_and_off(ckpts, family):
             assert stats["hits"] >= 2 and len({o.num_cached_tokens for o in on} - {0}) >= 2, (k, cfg, stats)
             if "cache_memory_bytes" in cfg:
                 assert on_engine.num_preemptions > 0
-            assert_prefix_cache_empty(on_engine)
+            assert_no_leak(on_engine)
 
 
 def test_gdn_state_after_a_hit_matches_the_recomputed_state(ckpts):
@@ -100,8 +94,8 @@ def test_a_shared_100_token_prefix_hits_96_tokens(ckpts):
     system = [rng.randrange(256) for _ in range(100)]
     prompts = [system + [rng.randrange(256) for _ in range(rng.randint(20, 40))] for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    reference = [o.token_ids for o in LLM(model=ckpts["qwen3_5"], dtype="float32").generate(
-        prompts, params, use_tqdm=False)]
+    reference = [o.token_ids for o in LLM(model=ckpts["qwen3_5"], dtype="float32", enable_prefix_caching=False
+                                          ).generate(prompts, params, use_tqdm=False)]
     # Queued together: the branch point among the queued requests is checkpointed first.
     engine = LLMEngine(EngineConfig(model=ckpts["qwen3_5"], dtype="float32", enable_prefix_caching=True))
     outs = run_staggered(engine, prompts, params, [0, 0, 0, 0])
@@ -115,7 +109,7 @@ def test_a_shared_100_token_prefix_hits_96_tokens(ckpts):
         outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
         assert [o.token_ids for o in outs] == reference
         assert [o.num_cached_tokens for o in outs] == hits, interval
-        assert_prefix_cache_empty(llm.engine)
+        assert_no_leak(llm.engine)
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -132,7 +126,7 @@ def test_multi_turn_chat_hits_the_history_every_turn(ckpts, k):
             turns.append((len(history), out.num_cached_tokens, out.token_ids))
             history = history + msg + out.token_ids
         runs[on] = turns
-        assert_prefix_cache_empty(llm.engine)
+        assert_no_leak(llm.engine)
     assert [t[2] for t in runs[True]] == [t[2] for t in runs[False]]
     for reusable, cached, _ in runs[True][1:]:
         assert cached >= 0.95 * reusable, (reusable, cached)
@@ -161,7 +155,7 @@ def test_concurrent_requests_with_a_shared_system_prompt_compute_it_once(ckpts):
         engine.step()
     assert computed <= 1.1 * (len(system) + sum(len(u) for u in uniques)), computed
     assert engine.num_preemptions == 0
-    assert_prefix_cache_empty(engine)
+    assert_no_leak(engine)
 
 
 def test_a_thousand_random_requests_with_aborts_leak_nothing(ckpts):
@@ -192,7 +186,7 @@ def test_a_thousand_random_requests_with_aborts_leak_nothing(ckpts):
         small.step()
     stats = small.prefix_cache_stats
     assert stats["hits"] > 50, stats
-    assert_prefix_cache_empty(small)
+    assert_no_leak(small)
 
 
 def test_cached_entries_are_evicted_before_any_running_request_is_preempted(ckpts):
@@ -211,7 +205,7 @@ def test_cached_entries_are_evicted_before_any_running_request_is_preempted(ckpt
     assert llm.engine.cache.usage()["blocks_cached_idle"] >= 6
     llm.generate(work, params, use_tqdm=False)
     assert llm.engine.num_preemptions == 0
-    assert_prefix_cache_empty(llm.engine)
+    assert_no_leak(llm.engine)
 
 
 def test_inspect_verify_prefix_compares_a_hit_with_a_recompute(ckpts, tmp_path):
@@ -224,3 +218,24 @@ def test_inspect_verify_prefix_compares_a_hit_with_a_recompute(ckpts, tmp_path):
     r = json.loads(report.read_text())
     assert r["ok"] and r["cached_tokens"] == 48 and r["max_abs_state_delta"] <= 1e-5
     assert r["prefix_cache"]["hits"] == 1 and 48 in r["prefix_cache"]["checkpoint_lengths"]
+
+
+def test_caching_is_on_by_default_and_off_everywhere_when_asked(ckpts, tmp_path):
+    from hybrid_engine.cli import _parse, main
+
+    assert EngineConfig().enable_prefix_caching and LLM(model=ckpts["qwen3_5"]).engine.prefix is not None
+    assert LLM(model=ckpts["qwen3_5"], enable_prefix_caching=False).engine.cache.checkpoints.size == 0
+    for command in (["generate", "x"], ["serve"], ["bench"]):
+        assert _parse(command).enable_prefix_caching
+        assert not _parse([*command, "--no-enable-prefix-caching"]).enable_prefix_caching
+    reports = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"{flag}.json"
+        assert main(["inspect", "--model", ckpts["qwen3_5"], "--step", "2", "1 2 3", flag, "--json", str(out)]) == 0
+        reports[flag] = json.loads(out.read_text())["steps"][-1]
+    on, off = reports["--enable-prefix-caching"], reports["--no-enable-prefix-caching"]
+    assert on["prefix_cache"]["queries"] == 1 and on["pools"]["checkpoints"]["total"] > 0
+    assert off["prefix_cache"] is None and off["pools"]["checkpoints"]["total"] == 0
+    # The checkpoint pool is part of the one budget: its bytes are in the pools' report.
+    assert on["pools"]["bytes"]["checkpoints"]["total"] == (
+        on["pools"]["checkpoints"]["total"] * on["pools"]["checkpoints"]["bytes_per_checkpoint"])

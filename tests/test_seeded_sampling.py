@@ -8,7 +8,7 @@ import pytest
 
 from hybrid_engine import LLM, SamplingParams
 
-from engine_checks import assert_no_leak
+from engine_checks import assert_no_leak, budget_for_blocks
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -49,8 +49,8 @@ def test_seeded_output_is_the_same_however_it_runs(spec_ckpts, family):
     for i in range(len(SAMPLERS)):                                   # one request of each sampler alone
         assert generate(folder, prompts[i], params[i])[0] == [batch16[i]], ("alone", i)
     assert generate(folder, prompts, params, max_num_batched_tokens=16)[0] == batch16, "chunked prefill"
-    probe = LLM(model=str(folder), dtype="float32", max_num_seqs=16).engine.cache.spec
-    tight = 17 * probe.bytes_per_slot + 24 * probe.bytes_per_block     # ~35 blocks needed at once
+    probe = LLM(model=str(folder), dtype="float32", max_num_seqs=16).engine
+    tight = budget_for_blocks(probe, 24)                             # ~35 blocks needed at once
     got, engine = generate(folder, prompts, params, max_num_batched_tokens=64, cache_memory_bytes=tight)
     assert got == batch16 and engine.num_preemptions > 0, "preemption"
     for k in (1, 2, 4):

@@ -7,7 +7,7 @@ import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
-from engine_checks import assert_no_leak
+from engine_checks import assert_no_leak, budget_for_blocks
 from spec_models import make_spec_checkpoint
 from staggered import run_staggered
 
@@ -35,14 +35,14 @@ def test_lossless_greedy_all_k_with_chunked_prefill_and_preemption(spec_ckpts, f
     folder = str(spec_ckpts[family])
     prompts, arrivals = workload()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ref_engine = LLMEngine(EngineConfig(model=folder, dtype="float32"))
+    # The plain path: no speculation, no prefix caching (the runs below have it on, the default).
+    ref_engine = LLMEngine(EngineConfig(model=folder, dtype="float32", enable_prefix_caching=False))
     reference = [o.token_ids for o in run_staggered(ref_engine, prompts, params, arrivals)]
     for k in (1, 2, 3, 5):
         probe = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k), max_num_seqs=6,
                                        max_num_batched_tokens=6 * (1 + k)))
-        s = probe.cache.spec
-        # Room for all slots but only ~14 blocks of 16 tokens: forces preemptions.
-        tight = 6 * (1 + k) * s.bytes_per_slot + 14 * s.bytes_per_block
+        # Room for all slots (and prefix checkpoints) but only 14 blocks of 16 tokens: forces preemptions.
+        tight = budget_for_blocks(probe, 14)
         for cfg in (dict(max_num_batched_tokens=6 * (1 + k) + 10),          # chunked prefill
                     dict(max_num_batched_tokens=64, cache_memory_bytes=tight)):
             engine = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=spec(k),

@@ -90,8 +90,9 @@ def test_steady_state_decode_inputs_equal_a_fresh_pack(ckpt):
 
 def test_steady_state_widening_clears_stale_block_table_columns(ckpt):
     """A (row 1, 6 blocks) finishes; C takes row 1 and B, in row 0, then enters its third block
-    in place: row 1's third column must read 0, not A's block."""
-    engine = _engine(ckpt)
+    in place: row 1's third column must read 0, not A's block. Without prefix caching: A and B
+    share a block, where caching would end A's prefill chunk and change the steps traced here."""
+    engine = _engine(ckpt, enable_prefix_caching=False)
     num_steady = _check_every_build(engine)
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.add_request(list(range(6)), SamplingParams(max_tokens=8, **greedy), request_id="B")

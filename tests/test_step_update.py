@@ -72,8 +72,10 @@ def test_verify_steps_keep_their_kv_blocks_and_drafts_come_from_the_step_output(
     while engine.has_unfinished_requests():
         engine.step()
         if engine.cache.has(rid):
-            # The drafts the request will verify are exactly the ones the step's output carried.
-            assert req.draft_token_ids == outputs[-1].drafts[rid]
+            # The drafts the request will verify are exactly the ones the step's output carried
+            # (none after a prefill chunk that did not sample: prefix caching ends one at the
+            # prompt's last block boundary).
+            assert req.draft_token_ids == outputs[-1].drafts.get(rid, [])
             assert engine.cache.get(rid).num_committed_tokens == req.num_computed_tokens
             tables.append(list(engine.cache.get(rid).block_table))
     assert req.spec_stats.num_accepted < req.spec_stats.num_drafted and len(tables) > 5
