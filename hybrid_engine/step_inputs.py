@@ -11,8 +11,11 @@ replaced by choosing a slot after verification.
 
 Steady state: when a step decodes exactly the requests of the last step, in the same order,
 one token each (plain decode), only what changed is written: the new tokens, positions,
-lengths and KV slots moved up by one in place, and a block-table entry for a request that
-entered a new block. Anything else is packed from scratch.
+lengths and KV slots moved up by one in place, a block-table entry for a request that
+entered a new block, and one column of the attention keys (each row's new key made visible;
+PagedKeys' tails re-read the first key, so nothing else of them changes). The values come
+from the host in one tensor, so the step costs a handful of torch ops whatever the batch.
+Anything else, or a step whose keys get wider, is packed from scratch.
 
 The step's facts that layers would otherwise derive in every layer, with reads back to the
 host (ForwardBatch.attention, .decode_rows, .chunks), are computed here once, from the lists
@@ -68,16 +71,18 @@ class StepInputBuilder:
         max_num_tokens = max(max_num_tokens + (max_num_seqs if self.k else 0), max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_num_tokens, **i64)
-        self.positions = torch.zeros(max_num_tokens, **i64)
-        self.slot_mapping = torch.zeros(max_num_tokens, **i64)
+        # Positions, lengths, KV slots and (for the steady state's key column) offsets in the
+        # block are rows of one buffer: a plain decode step moves all of them on by one in one op.
+        self._moving = torch.zeros(4, max_num_tokens, **i64)
+        self.positions, self.seq_lens, self.slot_mapping = self._moving[0], self._moving[1, :max_num_seqs], self._moving[2]
+        self._row_blocks = torch.zeros(max_num_seqs, **i64)   # steady state: each row's last block
         self.cu_seqlens = torch.zeros(max_num_seqs + 1, **i64)
-        self.seq_lens = torch.zeros(max_num_seqs, **i64)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **i64)
         self.state_slots = torch.zeros(max_num_seqs, **i64)
         self.has_initial_state = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
         self.state_write_slots = torch.zeros(max_num_seqs, 1 + self.k, **i64)
         self.logits_indices = torch.zeros(max_num_tokens, **i64)
-        self._last_decode: StepInputs | None = None   # the last step, if it was plain decode only
+        self._last_decode: _SteadyDecode | None = None   # the last step, if it was plain decode only
 
     def build(self, sched: ScheduledBatch, cache: HybridCacheManager) -> StepInputs:
         if not sched.prefills and self._last_decode is not None:
@@ -96,19 +101,30 @@ class StepInputBuilder:
             row += n
         inputs = self._pack(segments, len(sched.prefills), cache)
         plain_decode = not sched.prefills and inputs.batch.decode_len == 1
-        self._last_decode = inputs if plain_decode else None
+        self._last_decode = None
+        if plain_decode:
+            self._last_decode = self._steady(inputs, cache)
         return inputs
+
+    def _steady(self, inputs: StepInputs, cache: HybridCacheManager) -> _SteadyDecode:
+        """The steady state's handles on a plain decode step just packed: each row's offset in
+        its last block and that block, beside the buffers the step already wrote."""
+        bs, n = self.block_size, len(inputs.segments)
+        blocks = [cache.get(s.request.request_id).block_table[s.start // bs] for s in inputs.segments]
+        self._row_blocks[:n].copy_(torch.tensor(blocks, dtype=torch.int64))
+        self._moving[3, :n].copy_(inputs.batch.positions % bs)
+        return _SteadyDecode.of(inputs, self._moving[:, :n], self._row_blocks[:n])
 
     def _advance_decodes(self, decodes: list[Request], cache: HybridCacheManager) -> StepInputs | None:
         """The steady state (module docstring), or None when the batch is not the last one moved
         on by one token. cu_seqlens, state slots, write slots and logits rows stay as they are:
         without drafts a running request never changes its state slot or its earlier blocks."""
         last = self._last_decode
-        if len(decodes) != len(last.segments):
+        if len(decodes) != len(last.inputs.segments):
             return None
         bs = self.block_size
         segments, ids, new_blocks = [], [], []
-        for row, (req, prev) in enumerate(zip(decodes, last.segments)):
+        for row, (req, prev) in enumerate(zip(decodes, last.inputs.segments)):
             start = req.num_computed_tokens
             if req is not prev.request or start != prev.start + 1 or req.draft_token_ids:
                 return None
@@ -116,25 +132,48 @@ class StepInputBuilder:
             if start % bs == 0:
                 new_blocks.append((row, start // bs, cache.get(req.request_id).block_table[start // bs]))
             segments.append(Segment(req, start, 1, row, True, True))
-        n, batch = len(segments), last.batch      # its views read the buffers changed below
-        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64))
-        batch.positions.add_(1)
-        batch.seq_lens.add_(1)
-        batch.slot_mapping.add_(1)
+        n, batch = len(segments), last.inputs.batch      # its views read the buffers changed below
+        last.inputs.input_ids.copy_(torch.tensor(ids, dtype=torch.int64))
+        last.moving.add_(1)                              # positions, seq_lens, slot_mapping, offsets
         if new_blocks:
             old_width = batch.block_tables.shape[1]
-            width = max(col for _, col, _ in new_blocks) + 1
-            if width > old_width:
-                batch = dataclasses.replace(batch, block_tables=self.block_tables[:n, :width])
-                batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
-            for row, col, block in new_blocks:
-                batch.block_tables[row, col] = block
-                self.slot_mapping[row] = block * bs
-        batch = dataclasses.replace(batch, attention=attention_layout(
-            batch.block_tables, batch.seq_lens, [1] * n, bs, slots_valid=True))
-        inputs = StepInputs(self.input_ids[:n], batch, segments, [(seg, seg.first_row, 1) for seg in segments])
-        self._last_decode = inputs
+            batch = self._enter_blocks(batch, new_blocks)
+            if batch.block_tables.shape[1] > old_width:  # wider keys: laid out from scratch
+                batch = dataclasses.replace(batch, attention=attention_layout(
+                    batch.block_tables, batch.seq_lens, [1] * n, bs, slots_valid=True))
+                inputs = StepInputs(last.inputs.input_ids, batch, segments, [(s, s.first_row, 1) for s in segments])
+                self._last_decode = _SteadyDecode.of(inputs, last.moving, last.row_blocks)
+                return inputs
+        # Each row's new key, at column = its position: its block and offset, and visible.
+        keys, column = batch.attention.keys, last.positions
+        keys.blocks.scatter_(1, column, last.row_blocks)
+        keys.offsets.scatter_(1, column, last.offsets)
+        last.visible.scatter_(1, column, True)
+        inputs = StepInputs(last.inputs.input_ids, batch, segments, [(s, s.first_row, 1) for s in segments])
+        last.inputs = inputs
         return inputs
+
+    def _enter_blocks(self, batch: ForwardBatch, new_blocks: list[tuple[int, int, int]]) -> ForwardBatch:
+        """Rows that entered a new block at this step's position: its block-table entry, the
+        row's last block, and its KV slot and offset (moved on by one from the last block's end)
+        at the new block's start."""
+        old_width = batch.block_tables.shape[1]
+        width = max(col for _, col, _ in new_blocks) + 1
+        if width > old_width:
+            batch = dataclasses.replace(batch, block_tables=self.block_tables[:batch.seq_lens.shape[0], :width])
+            batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
+        rows, T = [row for row, _, _ in new_blocks], self._moving.shape[1]
+        blocks = [block for _, _, block in new_blocks]
+        table_at = [row * self.block_tables.shape[1] + col for row, col, _ in new_blocks]
+        moving_at = [2 * T + row for row in rows] + [3 * T + row for row in rows]     # slot, offset
+        values = blocks + blocks + [b * self.block_size for b in blocks] + [0] * len(rows)
+        index = torch.tensor(table_at + rows + moving_at, dtype=torch.int64, device=self.block_tables.device)
+        values_t = torch.tensor(values, dtype=torch.int64, device=self.block_tables.device)
+        m = len(rows)
+        self.block_tables.view(-1).index_copy_(0, index[:m], values_t[:m])
+        self._row_blocks.index_copy_(0, index[m:2 * m], values_t[m:2 * m])
+        self._moving.view(-1).index_copy_(0, index[2 * m:], values_t[2 * m:])
+        return batch
 
     def _pack(self, segments: list[Segment], num_prefills: int, cache: HybridCacheManager) -> StepInputs:
         # Plain lists per buffer, then one tensor and one in-place copy each: per-token and
@@ -236,3 +275,21 @@ class StepInputBuilder:
             num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
             attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True),
             decode_rows=None, chunks=None)
+
+
+@dataclass
+class _SteadyDecode:
+    """The last step, when it was plain decode only, and the views the steady state writes."""
+
+    inputs: StepInputs
+    moving: torch.Tensor        # [4, n]: positions, seq_lens, slot_mapping, offsets in the last block
+    row_blocks: torch.Tensor    # [n, 1]: each row's last block
+    positions: torch.Tensor     # [n, 1] views of moving: the column of each row's new key
+    offsets: torch.Tensor
+    visible: torch.Tensor       # the keys' mask as [n, L]
+
+    @classmethod
+    def of(cls, inputs: StepInputs, moving: torch.Tensor, row_blocks: torch.Tensor) -> _SteadyDecode:
+        keys, n = inputs.batch.attention.keys, moving.shape[1]
+        return cls(inputs, moving, row_blocks.view(n, 1), moving[0, :, None], moving[3, :, None],
+                   keys.visible.view(n, -1))

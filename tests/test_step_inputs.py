@@ -60,7 +60,7 @@ def _check_every_build(engine) -> list[int]:
     def checked_build(sched, cache):
         steady = not sched.prefills and b._last_decode is not None
         inputs = build(sched, cache)
-        num_steady[0] += steady and b._last_decode is inputs and inputs.batch.num_decodes > 0
+        num_steady[0] += steady and b._last_decode.inputs is inputs and inputs.batch.num_decodes > 0
         _assert_same_inputs(inputs, fresh._pack(inputs.segments, inputs.batch.num_prefills, cache))
         return inputs
 
@@ -100,7 +100,7 @@ def test_steady_state_widening_clears_stale_block_table_columns(ckpt):
     widths = []
     while engine.has_unfinished_requests():
         engine.step()
-        widths.append(engine.builder._last_decode.batch.block_tables.shape[1]
+        widths.append(engine.builder._last_decode.inputs.batch.block_tables.shape[1]
                       if engine.builder._last_decode is not None else None)
     assert widths[2:4] == [2, 3] and num_steady[0] > 0
 
