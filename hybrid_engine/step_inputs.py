@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_engine.kernels import backend_for
-from hybrid_engine.kernels.attention import attention_layout
+from hybrid_engine.kernels.attention import AttentionLayout, PagedKeys, attention_layout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
@@ -71,11 +71,12 @@ class StepInputBuilder:
         max_num_tokens = max(max_num_tokens + (max_num_seqs if self.k else 0), max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_num_tokens, **i64)
-        # Positions, lengths, KV slots and (for the steady state's key column) offsets in the
-        # block are rows of one buffer: a plain decode step moves all of them on by one in one op.
-        self._moving = torch.zeros(4, max_num_tokens, **i64)
+        # Rows of one buffer: positions, lengths, KV slots, and for the steady state (module
+        # docstring) each row's offset in its last block and that block. A plain decode step
+        # moves the first four on by one in one op; the last two, in the order of the keys'
+        # (offsets, blocks), are the values of each row's new key column.
+        self._moving = torch.zeros(5, max_num_tokens, **i64)
         self.positions, self.seq_lens, self.slot_mapping = self._moving[0], self._moving[1, :max_num_seqs], self._moving[2]
-        self._row_blocks = torch.zeros(max_num_seqs, **i64)   # steady state: each row's last block
         self.cu_seqlens = torch.zeros(max_num_seqs + 1, **i64)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **i64)
         self.state_slots = torch.zeros(max_num_seqs, **i64)
@@ -100,20 +101,28 @@ class StepInputBuilder:
             segments.append(Segment(req, req.num_computed_tokens, n, row, True, True))
             row += n
         inputs = self._pack(segments, len(sched.prefills), cache)
-        plain_decode = not sched.prefills and inputs.batch.decode_len == 1
         self._last_decode = None
-        if plain_decode:
-            self._last_decode = self._steady(inputs, cache)
+        if not sched.prefills and inputs.batch.decode_len == 1:       # plain decode
+            bs, n = self.block_size, len(segments)
+            blocks = [cache.get(s.request.request_id).block_table[s.start // bs] for s in segments]
+            self._moving[4, :n].copy_(torch.tensor(blocks, dtype=torch.int64))
+            self._moving[3, :n].copy_(inputs.batch.positions % bs)
+            keys = inputs.batch.attention.keys
+            self._last_decode = self._steady(inputs, torch.stack([keys.offsets, keys.blocks]), keys.visible)
+            inputs = self._last_decode.inputs
         return inputs
 
-    def _steady(self, inputs: StepInputs, cache: HybridCacheManager) -> _SteadyDecode:
-        """The steady state's handles on a plain decode step just packed: each row's offset in
-        its last block and that block, beside the buffers the step already wrote."""
-        bs, n = self.block_size, len(inputs.segments)
-        blocks = [cache.get(s.request.request_id).block_table[s.start // bs] for s in inputs.segments]
-        self._row_blocks[:n].copy_(torch.tensor(blocks, dtype=torch.int64))
-        self._moving[3, :n].copy_(inputs.batch.positions % bs)
-        return _SteadyDecode.of(inputs, self._moving[:, :n], self._row_blocks[:n])
+    def _steady(self, inputs: StepInputs, index: torch.Tensor, visible: torch.Tensor) -> _SteadyDecode:
+        """The steady state's handles on a plain decode step: its inputs with attention keys
+        whose offsets and blocks are the two halves of `index` [2, n, L] (so one scatter writes
+        a column of both), and `visible` their mask."""
+        n = len(inputs.segments)
+        attention = AttentionLayout(PagedKeys(index[1], index[0], visible.view(n, 1, 1, -1)), (), True)
+        inputs = dataclasses.replace(inputs, batch=dataclasses.replace(inputs.batch, attention=attention))
+        moving = self._moving[:, :n]
+        column = moving[0, :, None]                                       # [n, 1]: each row's position
+        return _SteadyDecode(inputs, moving[:4], index, column.expand(2, n, 1), moving[3:5, :, None],
+                             visible.view(n, -1), column)
 
     def _advance_decodes(self, decodes: list[Request], cache: HybridCacheManager) -> StepInputs | None:
         """The steady state (module docstring), or None when the batch is not the last one moved
@@ -138,17 +147,18 @@ class StepInputBuilder:
         if new_blocks:
             old_width = batch.block_tables.shape[1]
             batch = self._enter_blocks(batch, new_blocks)
-            if batch.block_tables.shape[1] > old_width:  # wider keys: laid out from scratch
-                batch = dataclasses.replace(batch, attention=attention_layout(
-                    batch.block_tables, batch.seq_lens, [1] * n, bs, slots_valid=True))
-                inputs = StepInputs(last.inputs.input_ids, batch, segments, [(s, s.first_row, 1) for s in segments])
-                self._last_decode = _SteadyDecode.of(inputs, last.moving, last.row_blocks)
-                return inputs
-        # Each row's new key, at column = its position: its block and offset, and visible.
-        keys, column = batch.attention.keys, last.positions
-        keys.blocks.scatter_(1, column, last.row_blocks)
-        keys.offsets.scatter_(1, column, last.offsets)
-        last.visible.scatter_(1, column, True)
+            if batch.block_tables.shape[1] > old_width:
+                # Wider keys: the new columns are tails, which re-read the first key: the
+                # offset and block of column 0 (position 0 is always visible), and hidden.
+                extra = (batch.block_tables.shape[1] - old_width) * bs
+                index = torch.cat([last.key_index, last.key_index[:, :, :1].expand(2, n, extra)], 2)
+                visible = torch.cat([last.visible, last.visible.new_zeros(n, extra)], 1)
+                last = self._last_decode = self._steady(StepInputs(last.inputs.input_ids, batch, segments, []),
+                                                        index, visible)
+                batch = last.inputs.batch
+        # Each row's new key, at column = its position: its offset and block, and visible.
+        last.key_index.scatter_(2, last.key_column, last.key_values)
+        last.visible.scatter_(1, last.position, True)
         inputs = StepInputs(last.inputs.input_ids, batch, segments, [(s, s.first_row, 1) for s in segments])
         last.inputs = inputs
         return inputs
@@ -162,17 +172,16 @@ class StepInputBuilder:
         if width > old_width:
             batch = dataclasses.replace(batch, block_tables=self.block_tables[:batch.seq_lens.shape[0], :width])
             batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
-        rows, T = [row for row, _, _ in new_blocks], self._moving.shape[1]
+        T, width = self._moving.shape[1], self.block_tables.shape[1]
+        table_at = [row * width + col for row, col, _ in new_blocks]
+        # The row's KV slot, offset and last block (rows 2, 3, 4 of the moving buffer).
+        moving_at = [i * T + row for row, _, _ in new_blocks for i in (2, 3, 4)]
         blocks = [block for _, _, block in new_blocks]
-        table_at = [row * self.block_tables.shape[1] + col for row, col, _ in new_blocks]
-        moving_at = [2 * T + row for row in rows] + [3 * T + row for row in rows]     # slot, offset
-        values = blocks + blocks + [b * self.block_size for b in blocks] + [0] * len(rows)
-        index = torch.tensor(table_at + rows + moving_at, dtype=torch.int64, device=self.block_tables.device)
-        values_t = torch.tensor(values, dtype=torch.int64, device=self.block_tables.device)
-        m = len(rows)
-        self.block_tables.view(-1).index_copy_(0, index[:m], values_t[:m])
-        self._row_blocks.index_copy_(0, index[m:2 * m], values_t[m:2 * m])
-        self._moving.view(-1).index_copy_(0, index[2 * m:], values_t[2 * m:])
+        values = blocks + [v for b in blocks for v in (b * self.block_size, 0, b)]
+        written = torch.tensor(table_at + moving_at + values, dtype=torch.int64, device=self.block_tables.device)
+        m = len(blocks)
+        self.block_tables.view(-1).index_copy_(0, written[:m], written[4 * m:5 * m])
+        self._moving.view(-1).index_copy_(0, written[m:4 * m], written[5 * m:])
         return batch
 
     def _pack(self, segments: list[Segment], num_prefills: int, cache: HybridCacheManager) -> StepInputs:
@@ -283,13 +292,8 @@ class _SteadyDecode:
 
     inputs: StepInputs
     moving: torch.Tensor        # [4, n]: positions, seq_lens, slot_mapping, offsets in the last block
-    row_blocks: torch.Tensor    # [n, 1]: each row's last block
-    positions: torch.Tensor     # [n, 1] views of moving: the column of each row's new key
-    offsets: torch.Tensor
-    visible: torch.Tensor       # the keys' mask as [n, L]
-
-    @classmethod
-    def of(cls, inputs: StepInputs, moving: torch.Tensor, row_blocks: torch.Tensor) -> _SteadyDecode:
-        keys, n = inputs.batch.attention.keys, moving.shape[1]
-        return cls(inputs, moving, row_blocks.view(n, 1), moving[0, :, None], moving[3, :, None],
-                   keys.visible.view(n, -1))
+    key_index: torch.Tensor     # [2, n, L]: the attention keys' offsets and blocks
+    key_column: torch.Tensor    # [2, n, 1]: each row's position, for both
+    key_values: torch.Tensor    # [2, n, 1]: each row's offset in its last block, and that block
+    visible: torch.Tensor       # [n, L]: the keys' mask
+    position: torch.Tensor      # [n, 1]
