@@ -311,12 +311,18 @@ class LLMEngine:
         for req, _ in sched.prefills:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        inputs = self.builder.build(sched, self.cache)
-        hidden, logits = self.runner.forward(inputs)
-        results = self._sample(inputs, logits)
-        drafts = self._draft(results, hidden)
-        if self.prefix is not None:
-            self.prefix.take_checkpoints(results, hidden)
+        try:
+            inputs = self.builder.build(sched, self.cache)
+            hidden, logits = self.runner.forward(inputs)
+            results = self._sample(inputs, logits)
+            drafts = self._draft(results, hidden)
+            if self.prefix is not None:
+                self.prefix.take_checkpoints(results, hidden)
+        except BaseException:
+            # The checkpoints reserved for this forward are published already (so that no
+            # request of this schedule could match them); unwritten, they must not be.
+            self.cache.discard_checkpoints([e for caps in sched.captures.values() for _, e in caps])
+            raise
         return self._caller_outputs(self.updater.update(StepOutput(results, drafts)))
 
     def _caller_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -13,12 +13,13 @@ checkpoints are taken decides the hit rate (docs: ARCHITECTURE.md section 9). Th
   own pending checkpoint, published when it finishes or is preempted (so the next chat turn,
   or its own readmission, hits).
 
-The GDN state at a position inside a prefill exists only at the end of a chunk, so a prefill
-chunk that would run past a wanted checkpoint position is ended there (`plan_chunk`) and the
-rest runs next step. (Deriving the state at block boundaries inside a chunk from the chunked
-kernel's per-chunk states would spare that extra step; kernels/gdn/chunk.py does not expose
-them yet.) While decoding, the state after each accepted position is already in the verify's
-write slots; a position past the accepted ones never becomes a checkpoint.
+A checkpoint inside a prefill chunk is captured by the chunk's own forward, with no extra
+step (`plan_captures`): the chunked GDN kernel puts a chunk boundary at each wanted position
+and writes the state there into a reserved checkpoint entry, the layer writes the conv window
+(the K-1 inputs before it), and `take_checkpoints` adds the hidden state at the position
+before it from the same forward. While decoding, the state after each accepted position is
+already in the verify's write slots; a position past the accepted ones never becomes a
+checkpoint.
 
 A waiting request that shares more of its prefix with a running request's unfinished prefill
 than the cache can give it now waits for that prefill to pass the branch point (one or a few
@@ -60,7 +61,6 @@ class PrefixCaching:
         self.block_size = block_size
         self.checkpoint_interval = checkpoint_interval
         self.stats = PrefixStats()
-        self._wanted: dict[str, int] = {}     # request id -> checkpoint position its next chunk ends at
 
     # -- hashes ---------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class PrefixCaching:
 
     def should_wait(self, req: Request, hit: PrefixHit | None, running: list[Request]) -> bool:
         """True while a running request's prefill is still computing a longer prefix of this
-        one than the cache holds; its chunk will end at that branch point (plan_chunk)."""
+        one than the cache holds; its forward will leave a checkpoint at that branch point."""
         have = hit.num_tokens if hit is not None else 0
         mine = self.block_hashes(req)
         for other in running:
@@ -126,23 +126,36 @@ class PrefixCaching:
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def plan_chunk(self, req: Request, start: int, n: int, others: list[Request]) -> int:
-        """Tokens of a prefill chunk of n tokens from `start`, ended early at the first wanted
-        checkpoint position inside it; records a wanted position the chunk ends at."""
-        self._wanted.pop(req.request_id, None)
-        for p in self._checkpoint_positions(req, others):
-            if p <= start or p > start + n:
-                continue
-            self._wanted[req.request_id] = p
-            return p - start
-        return n
+    def plan_captures(self, prefills: list[tuple[Request, int]], others: list[Request]
+                      ) -> dict[str, list[tuple[int, int]]]:
+        """For each prefill chunk (request, tokens from its computed ones): the wanted checkpoint
+        positions inside it, each with the checkpoint entry reserved for its forward to write."""
+        reserved = []
+        for req, n in prefills:
+            start = req.num_computed_tokens
+            hashes = self.block_hashes(req)
+            for p in self._checkpoint_positions(req, others, start, start + n):
+                entry = self.cache.reserve_checkpoint(hashes[p // self.block_size - 1], p)
+                if entry is not None:
+                    reserved.append((req.request_id, p, entry))
+        # A full pool evicts its least recently used entry for the next reservation, which can
+        # be one reserved just before: that capture is void (its key is gone), only the last
+        # reservation of an entry is written.
+        last = {entry: i for i, (_, _, entry) in enumerate(reserved)}
+        captures: dict[str, list[tuple[int, int]]] = {}
+        for i, (request_id, p, entry) in enumerate(reserved):
+            if last[entry] == i:
+                captures.setdefault(request_id, []).append((p, entry))
+        return captures
 
-    def _checkpoint_positions(self, req: Request, others: list[Request]) -> list[int]:
-        """Block-aligned positions inside the request's prefill where a checkpoint is wanted and
-        none is held yet, ascending."""
+    def _checkpoint_positions(self, req: Request, others: list[Request], start: int, end: int) -> list[int]:
+        """Block-aligned positions in (start, end] of the request's prefill where a checkpoint is
+        wanted and none is held yet, ascending."""
         bs, hashes = self.block_size, self.block_hashes(req)
         last = req.num_tokens // bs * bs
-        wanted = {last} if last else set()
+        if last <= start:
+            return []
+        wanted = {last}
         if self.checkpoint_interval:
             wanted.update(range(self.checkpoint_interval, last, self.checkpoint_interval))
         cached = self.cache.num_cached_prefix_blocks(hashes)
@@ -153,32 +166,30 @@ class PrefixCaching:
                 shared = self._common_blocks(hashes, self.block_hashes(other))
                 if shared:
                     wanted.add(shared * bs)
-        return sorted(p for p in wanted if not self.cache.has_checkpoint(hashes[p // bs - 1]))
+        return sorted(p for p in wanted if start < p <= end and not self.cache.has_checkpoint(hashes[p // bs - 1]))
 
     def take_checkpoints(self, results, hidden: torch.Tensor) -> None:
-        """After a step's forward, before its update (a verify's slots are still as written): a
-        published checkpoint for each prefill chunk that ended at a wanted position, and a
-        pending one for each decode that committed a block boundary. `results`: the step's
-        SegmentResults; `hidden`: the target's final-normed hidden states of its rows."""
+        """After a step's forward, before its update (a verify's slots are still as written): the
+        hidden states of the checkpoints its prefill chunks captured, and a pending checkpoint
+        for each decode that committed a block boundary. `results`: the step's SegmentResults;
+        `hidden`: the target's final-normed hidden states of its rows."""
         bs = self.block_size
         for result in results:
             seg, req = result.segment, result.segment.request
-            rc = self.cache.get(req.request_id)
             if not seg.is_decode:
-                end = seg.start + seg.num_tokens
-                if self._wanted.pop(req.request_id, None) != end:
-                    continue
-                key, slot, row = self._hash_through(req, end, []), rc.slot, seg.first_row + seg.num_tokens - 1
-                pending = False
-            else:
-                # Committed after this verify: start + accepted + 1 = start + emitted tokens.
-                end = (seg.start + len(result.token_ids)) // bs * bs
-                if end <= seg.start:
-                    continue
-                j = end - seg.start - 1                   # write slot j: the state after position start + j
-                slot = rc.slot if j == 0 else rc.draft_slots[j - 1]
-                key, row, pending = self._hash_through(req, end, result.token_ids), seg.first_row + j, True
-            if self.cache.save_checkpoint(req.request_id, end, key, slot, hidden[row], pending=pending):
+                for p, entry in seg.captures:
+                    self.cache.write_checkpoint_hidden(entry, hidden[seg.first_row + p - seg.start - 1])
+                    self.stats.num_checkpoints_taken += 1
+                continue
+            rc = self.cache.get(req.request_id)
+            # Committed after this verify: start + accepted + 1 = start + emitted tokens.
+            end = (seg.start + len(result.token_ids)) // bs * bs
+            if end <= seg.start:
+                continue
+            j = end - seg.start - 1                   # write slot j: the state after position start + j
+            slot = rc.slot if j == 0 else rc.draft_slots[j - 1]
+            key, row = self._hash_through(req, end, result.token_ids), seg.first_row + j
+            if self.cache.save_checkpoint(req.request_id, end, key, slot, hidden[row], pending=True):
                 self.stats.num_checkpoints_taken += 1
 
     # -- blocks -----------------------------------------------------------------------------
@@ -189,4 +200,3 @@ class PrefixCaching:
 
     def before_free(self, req: Request) -> None:
         self.cache_blocks(req)
-        self._wanted.pop(req.request_id, None)

@@ -11,9 +11,9 @@ Every step re-chooses the batch under `max_num_seqs` and `max_num_batched_tokens
    this same call (readmitting it at once would free and retake its memory for nothing).
 
 With prefix caching (hybrid_engine/prefix_caching.py) an admitted request starts from the
-longest cached prefix, a prefill chunk ends where a GDN checkpoint is wanted, and a request
-whose prefix a running prefill is about to checkpoint waits for it (in order, as any other
-request that does not fit yet).
+longest cached prefix, each prefill chunk gets the GDN checkpoints wanted inside it (taken by
+its forward, `ScheduledBatch.captures`), and a request whose prefix a running prefill is
+about to checkpoint waits for it (in order, as any other request that does not fit yet).
 
 The n samples of one prompt (hybrid_engine/request_group.py): sample 0 prefills all but the
 last prompt token; at the start of the next schedule its cache is forked to each sibling
@@ -41,6 +41,9 @@ class ScheduledBatch:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
     decodes: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # prefix caching: request id -> (position, checkpoint entry) the GDN states of its prefill
+    # chunk are captured at, ascending
+    captures: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -87,8 +90,6 @@ class Scheduler:
                  else min(_prefill_need(req, req.num_computed_tokens), budget))
             if n == 0 or budget < n:
                 continue
-            if self.prefix is not None and not is_decode:
-                n = self.prefix.plan_chunk(req, req.num_computed_tokens, n, self._queued())
             total = self._tokens_to_hold(req, req.num_computed_tokens, n)
             if not self._make_room(req, total, batch):
                 continue
@@ -109,8 +110,6 @@ class Scheduler:
                     break
             start = hit.num_tokens if hit is not None else 0
             n = min(_prefill_need(req, start), budget)
-            if self.prefix is not None:
-                n = self.prefix.plan_chunk(req, start, n, self._queued())
             total = self._tokens_to_hold(req, start, n)
             if not self.cache.can_admit(total, self.num_draft_slots, hit):
                 break
@@ -123,6 +122,10 @@ class Scheduler:
             self.running.append(req)
             batch.prefills.append((req, n))
             budget -= n
+        if self.prefix is not None and batch.prefills:
+            # After every admission: an entry is published when reserved, and no request may
+            # match it before this step's forward has written it.
+            batch.captures = self.prefix.plan_captures(batch.prefills, self._queued())
         return batch
 
     def _fork_shared_prefixes(self) -> None:

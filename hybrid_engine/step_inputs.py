@@ -26,7 +26,7 @@ buffers.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ from hybrid_engine.kernels.attention import AttentionLayout, PagedKeys, attentio
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
+from hybrid_engine.models.batch import GdnCaptures
 from hybrid_engine.state_cache import HybridCacheManager, kv_slots
 
 from .request import Request
@@ -49,6 +50,8 @@ class Segment:
     first_row: int      # row of its first token in the packed stream
     is_decode: bool
     samples: bool       # reaches the end of the known tokens, so logits are needed
+    # prefix caching: (position, checkpoint entry) its GDN states are captured at (prefill only)
+    captures: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -94,7 +97,8 @@ class StepInputBuilder:
         row = 0
         for req, n in sched.prefills:
             start = req.num_computed_tokens
-            segments.append(Segment(req, start, n, row, False, start + n == req.num_tokens))
+            segments.append(Segment(req, start, n, row, False, start + n == req.num_tokens,
+                                    sched.captures.get(req.request_id, [])))
             row += n
         for req in sched.decodes:
             n = 1 + len(req.draft_token_ids)
@@ -247,9 +251,21 @@ class StepInputBuilder:
             decode_rows=DecodeRows.of_lists(read, [write_slots[i:i + decode_len]
                                                    for i in range(0, len(write_slots), decode_len)])
             if n_dec else None,
-            chunks=ChunkLayout(query_lens[:num_prefills], device=self.positions.device) if num_prefills else None,
+            chunks=ChunkLayout(query_lens[:num_prefills], device=self.positions.device,
+                               cuts=[[p - seg.start for p, _ in seg.captures] for seg in segments[:num_prefills]])
+            if num_prefills else None,
+            gdn_captures=self._gdn_captures(segments[:num_prefills]),
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
+
+    def _gdn_captures(self, prefills: list[Segment]) -> GdnCaptures | None:
+        """The prefill segments' checkpoint captures, in the order of the chunk layout's cuts."""
+        caps = [(i, seg.first_row + p - seg.start, entry)
+                for i, seg in enumerate(prefills) for p, entry in seg.captures]
+        if not caps:
+            return None
+        seqs, ends, entries = torch.tensor(caps, dtype=torch.int64, device=self.positions.device).unbind(1)
+        return GdnCaptures(seqs=seqs, ends=ends, entries=entries)
 
     def build_mtp(self, segs: list[tuple[int, int, list[int]]]) -> ForwardBatch:
         """An MTP pass (spec_decode/mtp_drafter.py) over segments (start, length, block table)

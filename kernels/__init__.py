@@ -19,6 +19,7 @@ from .rope import rope_cos_sin
 apply_partial_rope = dispatched(_rope.apply_partial_rope)
 causal_conv1d_update = dispatched(_conv.causal_conv1d_update)
 causal_conv1d_varlen = dispatched(_conv.causal_conv1d_varlen)
+conv_windows_at = dispatched(_conv.conv_windows_at)
 chunk_gated_delta_rule = dispatched(_gdn.chunk_gated_delta_rule)
 gated_rms_norm = dispatched(_norm.gated_rms_norm)
 paged_attention = dispatched(_attention.paged_attention)
@@ -43,6 +44,7 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule",
+    "conv_windows_at",
     "gated_rms_norm",
     "get_backend",
     "naive_gated_delta_rule",

@@ -17,6 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cpu.paged_attention import can_run_native, paged_attention_op
+
+# Steps with at most this many new tokens per sequence (decode, verify) read the cache in place
+# on CPU where the native kernel runs; longer ones (prefills) keep the gather and sdpa, whose
+# matrix products serve many queries better than the kernel's row-at-a-time loop.
+NATIVE_MAX_QUERY_LEN = 16
+
 
 @dataclass(frozen=True)
 class PagedKeys:
@@ -53,11 +60,15 @@ class AttentionLayout:
     keys: when every sequence has the same number of new tokens (decode, verify, one prefill),
     one PagedKeys for all of them; otherwise None and `groups` holds one QueryGroup per length.
     slots_valid: no KV slot of the step is negative (no padding rows to skip when writing).
+    query_len: that shared number of new tokens (a host int; 0 where they differ or it is not
+    known). With it, decode and verify steps on CPU read K and V straight from the blocks
+    (kernels/cpu/paged_attention.py: only the step's block_tables and seq_lens, not `keys`).
     """
 
     keys: PagedKeys | None
     groups: tuple[QueryGroup, ...]
     slots_valid: bool
+    query_len: int = 0
 
 
 def paged_keys(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_len: int,
@@ -76,7 +87,7 @@ def attention_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_l
     """The layout of a step whose sequence n has query_lens[n] new tokens (host ints)."""
     if len(set(query_lens)) <= 1:
         q = query_lens[0] if query_lens else 1
-        return AttentionLayout(paged_keys(block_tables, seq_lens, q, block_size), (), slots_valid)
+        return AttentionLayout(paged_keys(block_tables, seq_lens, q, block_size), (), slots_valid, q)
     starts, groups = [0], {}
     for n, q in enumerate(query_lens):
         starts.append(starts[-1] + q)
@@ -132,13 +143,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     Sequences with the same query length are attended in one batched call (one gather of
     their keys in the cache's dtype, one sdpa with the visibility mask); a pure decode or
-    verify step is therefore a single call with no Python loop.
+    verify step is therefore a single call with no Python loop. On CPU, where the native
+    kernel runs, such a step with few queries per sequence reads the keys in place instead.
     """
     N, (T, nh, hd) = cu_seqlens_q.numel() - 1, q.shape
     if N == 0 or T == 0:
         return q.new_empty(q.shape)
     if layout is None:
         layout = layout_of(cu_seqlens_q, block_tables, seq_lens, kv_cache.shape[2])
+    if (layout.keys is not None and 0 < layout.query_len <= NATIVE_MAX_QUERY_LEN
+            and can_run_native(kv_cache, nh, layout.query_len)):
+        return paged_attention_op(q, kv_cache, block_tables, seq_lens, scale).to(q.dtype)
     if layout.keys is not None:
         # The query length as the mask has it (not T // N): under torch.compile the mask's size
         # is a symbol of its own, which sdpa must see the queries share.

@@ -44,10 +44,24 @@ class ForwardBatch:
     attention: AttentionLayout       # key positions and masks, shared by every attention layer
     decode_rows: DecodeRows | None   # the decode segments' GDN slot facts (None: no decodes)
     chunks: ChunkLayout | None       # the prefill segments' GDN chunk layout (None: no prefills)
+    gdn_captures: GdnCaptures | None = None   # GDN states to checkpoint inside prefill segments
 
     @property
     def num_decodes(self) -> int:
         return self.cu_seqlens.numel() - 1 - self.num_prefills
+
+
+@dataclass
+class GdnCaptures:
+    """The GDN states a step's prefill segments leave in prefix checkpoints at positions inside
+    them (docs: hybrid_engine/prefix_caching.py). Capture c is the conv window and recurrent
+    state of prefill segment seqs[c] after its packed rows before ends[c], written to checkpoint
+    entry entries[c]. Captures are in the order of `chunks.cuts` (segment by segment,
+    ascending), whose chunk boundaries lie at exactly these positions."""
+
+    seqs: torch.Tensor               # [C] int64, prefill segment of each capture
+    ends: torch.Tensor               # [C] int64, packed row just past the captured position
+    entries: torch.Tensor            # [C] int64, checkpoint entry written
 
 
 class LayerCaches(Protocol):
@@ -55,9 +69,12 @@ class LayerCaches(Protocol):
 
     kv_caches[i]: the i-th full-attention layer's `[num_blocks, 2, block_size, nkv, hd]`
     (the MTP layer's cache comes after the main model's); conv_states[j] /
-    recurrent_states[j]: the j-th GDN layer's slot pools.
+    recurrent_states[j]: the j-th GDN layer's slot pools; checkpoint_conv_states[j] /
+    checkpoint_recurrent_states[j]: its prefix checkpoint entries (ForwardBatch.gdn_captures).
     """
 
     kv_caches: list[torch.Tensor]
     conv_states: list[torch.Tensor]
     recurrent_states: list[torch.Tensor]
+    checkpoint_conv_states: list[torch.Tensor]
+    checkpoint_recurrent_states: list[torch.Tensor]

@@ -41,6 +41,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, batch, caches.kv_caches[self.cache_index], rope)
         else:
             i = self.cache_index
-            h = self.linear_attn(h, batch, caches.conv_states[i], caches.recurrent_states[i])
+            checkpoints = ((caches.checkpoint_conv_states[i], caches.checkpoint_recurrent_states[i])
+                           if batch.gdn_captures is not None else None)
+            h = self.linear_attn(h, batch, caches.conv_states[i], caches.recurrent_states[i], checkpoints)
         x = x + h
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))

@@ -43,7 +43,10 @@ class GatedDeltaNet(nn.Module):
         _derive_decay_rate(self)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
-                state_pool: torch.Tensor) -> torch.Tensor:
+                state_pool: torch.Tensor, checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """checkpoints: this layer's (conv, recurrent) checkpoint entries, where the step's
+        gdn_captures go."""
         t = x.shape[0]
         # mixed: [T, conv_dim], pre-conv q|k|v; z: output gate; b, a: per value head
         mixed, z, b, a = linear(x, self.in_proj_weight).split(self.in_proj_weight_sizes, dim=-1)
@@ -53,23 +56,33 @@ class GatedDeltaNet(nn.Module):
         conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
         p = batch.num_prefill_tokens
         if p == t:
-            o = self._prefill(mixed, g, beta, conv_w, batch, conv_pool, state_pool)
+            o = self._prefill(mixed, g, beta, conv_w, batch, conv_pool, state_pool, checkpoints)
         elif p == 0:                                                  # the common step: no slicing
             o = self._decode(mixed, g, beta, conv_w, batch, conv_pool, state_pool)
         else:
-            o = torch.cat([self._prefill(mixed[:p], g[:p], beta[:p], conv_w, batch, conv_pool, state_pool),
+            o = torch.cat([self._prefill(mixed[:p], g[:p], beta[:p], conv_w, batch, conv_pool, state_pool, checkpoints),
                            self._decode(mixed[p:], g[p:], beta[p:], conv_w, batch, conv_pool, state_pool)])
         y = batch.kernels.gated_rms_norm(o, z.view(t, self.hv, self.dv), self.norm.weight, self.eps)  # plain weight, not 1+w
         return linear(y.view(t, self.value_dim), self.out_proj.weight)
 
-    def _prefill(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
-        """The prefill segments (chunked varlen kernels) -> o [tokens, Hv, dv]."""
+    def _prefill(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool,
+                 checkpoints) -> torch.Tensor:
+        """The prefill segments (chunked varlen kernels) -> o [tokens, Hv, dv]. Captures: the
+        conv window at each (the K-1 inputs before it) gathered here, the recurrent state
+        written by the chunk kernel at the chunk boundary the layout puts there."""
         np_ = batch.num_prefills
         slots = batch.state_slots[:np_]
         fresh = ~batch.has_initial_state[:np_]
         cu = batch.cu_seqlens[:np_ + 1]
         window = conv_pool[slots]
         window[fresh] = 0
+        captures = batch.gdn_captures
+        capture_pool = capture_slots = None
+        if captures is not None:
+            ck_conv, capture_pool = checkpoints
+            capture_slots = captures.entries
+            ck_conv[capture_slots] = batch.kernels.conv_windows_at(mixed, cu, window, captures.seqs,
+                                                                    captures.ends).to(ck_conv.dtype)
         u, final_window = batch.kernels.causal_conv1d_varlen(mixed, conv_w, cu, window)
         conv_pool[slots] = final_window
         t = u.shape[0]
@@ -78,7 +91,8 @@ class GatedDeltaNet(nn.Module):
         init[fresh] = 0
         o, final_state = batch.kernels.chunk_gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
                                                 v.reshape(t, self.hv, self.dv), g, beta, cu, init,
-                                                layout=batch.chunks)
+                                                layout=batch.chunks, capture_pool=capture_pool,
+                                                capture_slots=capture_slots)
         state_pool[slots] = final_state
         return o
 

@@ -109,6 +109,15 @@ class CheckpointPool:
         else:
             self._published[ckpt.key] = ckpt
 
+    def discard(self, entry: int) -> None:
+        """A published entry whose state was never written (the forward meant to write a
+        reserved entry failed) goes back to the free list, so no request resumes from it."""
+        for key, ckpt in self._published.items():
+            if ckpt.entry == entry:
+                del self._published[key]
+                self._free.append(entry)
+                return
+
     def drop_pending(self, owner: Hashable) -> None:
         ckpt = self._pending.pop(owner, None)
         if ckpt is not None:

@@ -270,6 +270,14 @@ class HybridCacheManager:
         hidden, cache.hit_hidden = cache.hit_hidden, None
         return hidden
 
+    @property
+    def checkpoint_conv_states(self) -> list[torch.Tensor]:
+        return self.checkpoints.conv
+
+    @property
+    def checkpoint_recurrent_states(self) -> list[torch.Tensor]:
+        return self.checkpoints.recurrent
+
     def has(self, request_id: Hashable) -> bool:
         return request_id in self._requests
 
@@ -385,6 +393,27 @@ class HybridCacheManager:
         if hidden is not None and self.spec.hidden_size:
             pool.hidden[entry].copy_(hidden)
         return True
+
+    def reserve_checkpoint(self, key: bytes, num_tokens: int) -> int | None:
+        """A published checkpoint entry named `key` for a state after num_tokens tokens, which
+        the caller's next forward writes (ForwardBatch.gdn_captures; its hidden state through
+        `write_checkpoint_hidden`). None when one is already published under `key` or every
+        entry is pending. The caller must not match prefixes before that forward."""
+        if num_tokens % self.spec.block_size or num_tokens <= 0:
+            raise ValueError(f"a checkpoint at {num_tokens} tokens is not at a block boundary")
+        checkpoint = self.checkpoints.entry_for(key, num_tokens, None)
+        return None if checkpoint is None else checkpoint.entry
+
+    def discard_checkpoints(self, entries: list[int]) -> None:
+        """Reserved entries whose forward failed: unpublished, their memory free again."""
+        for entry in entries:
+            self.checkpoints.discard(entry)
+
+    def write_checkpoint_hidden(self, entry: int, hidden: torch.Tensor) -> None:
+        """The target's hidden state at the last position of a reserved checkpoint (kept only
+        for the MTP layer)."""
+        if self.spec.hidden_size:
+            self.checkpoints.hidden[entry].copy_(hidden)
 
     # -- copies --------------------------------------------------------------------------
 

@@ -60,6 +60,23 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     return y, final_window.transpose(1, 2).contiguous()
 
 
+def conv_windows_at(x: torch.Tensor, cu_seqlens: torch.Tensor, initial_window: torch.Tensor,
+                    seqs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The conv windows inside packed sequences (prefix checkpoints within a prefill).
+
+    x: [T, D] packed pre-conv inputs; cu_seqlens: [N+1]; initial_window: [N, D, K-1];
+    seqs, ends: [C] int64: window c is the one after packed row ends[c] - 1 of sequence seqs[c],
+    the last K-1 inputs before row ends[c], reaching into the sequence's initial window where
+    fewer of its own inputs precede. Returns [C, D, K-1] in x.dtype. Two gathers, no host reads.
+    """
+    N, D, W = initial_window.shape
+    rows = ends[:, None] + torch.arange(-W, 0, device=x.device)                  # [C, W]
+    into_window = rows - cu_seqlens[seqs][:, None]                                # < 0: before the sequence
+    from_window = initial_window.transpose(1, 2)[seqs[:, None], (into_window + W).clamp(0, W - 1)]
+    from_inputs = x[rows.clamp(min=0)]
+    return torch.where((into_window < 0)[..., None], from_window.to(x.dtype), from_inputs).transpose(1, 2)
+
+
 def _conv_silu_rows(x: torch.Tensor, taps: torch.Tensor, out: torch.Tensor,
                     acc: torch.Tensor | None) -> None:
     """out[..., i, :] = silu(sum_j taps[j] * x[..., i + j, :]); x: [..., R + K - 1, D], out: [..., R, D].

@@ -27,6 +27,10 @@ inline F low_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs,
 inline F high_bf16(I pairs) {
   return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
+inline F load_bf16(const uint16_t* p) {       // W consecutive bf16 -> W floats
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 inline void store_bf16(uint16_t* p, F v) {    // W floats -> W bf16, nearest even
   I bits = _mm512_castps_si512(v);
   I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -48,6 +52,14 @@ inline I load_bits(const void* p) { return _mm256_loadu_si256((const __m256i*)p)
 inline F low_bf16(I pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
 inline F high_bf16(I pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+inline F load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline float reduce_add(F v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline void store_bf16(uint16_t* p, F v) {
   I bits = _mm256_castps_si256(v);

@@ -29,7 +29,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            beta: torch.Tensor, cu_seqlens: torch.Tensor,
                            initial_state: torch.Tensor, scale: float | None = None,
                            use_qk_l2norm: bool = True, chunk_size: int = CHUNK_SIZE,
-                           layout: ChunkLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           layout: ChunkLayout | None = None, capture_pool: torch.Tensor | None = None,
+                           capture_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over N packed sequences.
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay, <= 0), beta: [T, Hv];
@@ -39,6 +40,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     token S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q.
     layout: the step's ChunkLayout of these sequences (built once for all GDN layers of a step,
     from lengths the caller holds; its chunk size wins); None: built here, reading the lengths back.
+    capture_pool [S, Hv, dk, dv], capture_slots [layout.num_captures] int64: the state at each of
+    the layout's cuts is written to capture_pool[capture_slots[c]] (captures in layout order).
     Returns o: [T, Hv, dv] in v.dtype and final_state: [N, Hv, dk, dv] float32.
     """
     T, Hv, dv = v.shape
@@ -89,7 +92,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     # chunk's output overwrites its u once v_new has read it.
     state = initial_state.float()[layout.order]                         # a copy: indexed
     out = u
-    for start, active in layout.steps:
+    captures = layout.captures_after_step if capture_pool is not None else {}
+    for step, (start, active) in enumerate(layout.steps):
         chunks = slice(start, start + active)
         s = state[:active].flatten(0, 1)
         v_new = torch.baddbmm(u[chunks].flatten(0, 1), w[chunks].flatten(0, 1), s, alpha=-1)
@@ -98,6 +102,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         o.baddbmm_(intra_attn[chunks].flatten(0, 1), v_new)
         s.mul_(chunk_decay[chunks].flatten(0, 1))
         s.baddbmm_(k_decayed[chunks].flatten(0, 1).transpose(-1, -2), v_new)
+        if step in captures:
+            ranks, ids = captures[step]
+            capture_pool.index_copy_(0, capture_slots[ids], state[ranks].to(capture_pool.dtype))
 
     final_state = torch.empty_like(state)
     final_state[layout.order] = state
@@ -139,10 +146,21 @@ def _segment_sum(g: torch.Tensor) -> torch.Tensor:
 
 class ChunkLayout:
     """Where each packed token of a step's prefill sequences sits in the step-major padded chunk
-    buffer. Built from the sequences' lengths as host ints (the same for every GDN layer)."""
+    buffer. Built from the sequences' lengths as host ints (the same for every GDN layer).
 
-    def __init__(self, lengths: list[int], chunk_size: int = CHUNK_SIZE, device: torch.device | str = "cpu"):
-        counts = [-(-n // chunk_size) for n in lengths]
+    cuts: per sequence, ascending offsets in (0, length] where a chunk must end: the state there
+    is then a chunk-boundary state of the scan, which the kernel captures (prefix checkpoints
+    inside a prefill, without splitting it). After a cut the chunks restart, so the chunks are
+    exactly those of the sequence split at its cuts; the chunk before a cut may be shorter
+    than chunk_size (zero padding leaves the state as it is)."""
+
+    def __init__(self, lengths: list[int], chunk_size: int = CHUNK_SIZE, device: torch.device | str = "cpu",
+                 cuts: list[list[int]] | None = None):
+        self.lengths = lengths
+        self.cuts = cuts if cuts is not None and any(cuts) else None
+        # each sequence's chunk lengths, and the chunk index (in it) that ends at each cut
+        pieces = [_chunk_lengths(n, self.cuts[i] if self.cuts else (), chunk_size) for i, n in enumerate(lengths)]
+        counts = [len(chunks) for chunks, _ in pieces]
         # longest first, so the sequences alive at scan step i are a prefix of this order
         order = sorted(range(len(lengths)), key=lambda i: -counts[i])
         rank = [0] * len(order)
@@ -154,15 +172,27 @@ class ChunkLayout:
         self.num_chunks = sum(active)
         self.chunk_size = chunk_size
         chunk, position = [], []
-        for i, n in enumerate(lengths):
-            for c in range(counts[i]):
-                m = min(chunk_size, n - c * chunk_size)
+        for i, (chunks, _) in enumerate(pieces):
+            for c, m in enumerate(chunks):
                 chunk.extend([step_start[c] + rank[i]] * m)
                 position.extend(range(m))
         i64 = dict(dtype=torch.int64, device=device)
         self.order = torch.tensor(order, **i64)
         self.chunk = torch.tensor(chunk, **i64)                      # [T] chunk of each token
         self.position = torch.tensor(position, **i64)                # [T] its row in the chunk
+        # Captures, numbered sequence by sequence in cut order: after scan step s, the states of
+        # ranks capture_ranks go to captures capture_ids (host-free: tensors built here).
+        by_step: dict[int, tuple[list[int], list[int]]] = {}
+        n = 0
+        for i, (_, ends) in enumerate(pieces):
+            for c in ends:
+                ranks, ids = by_step.setdefault(c, ([], []))
+                ranks.append(rank[i])
+                ids.append(n)
+                n += 1
+        self.num_captures = n
+        self.captures_after_step = {step: (torch.tensor(r, **i64), torch.tensor(ids, **i64))
+                                    for step, (r, ids) in by_step.items()}
 
     def pack(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H, ...] -> [chunks, H, C, ...] float32, zeros in the padding; written into `into` (a
@@ -175,3 +205,20 @@ class ChunkLayout:
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[chunks, H, C, ...] -> [T, H, ...]."""
         return x.transpose(1, 2)[self.chunk, self.position]
+
+
+def _chunk_lengths(n: int, cuts, chunk_size: int) -> tuple[list[int], list[int]]:
+    """A sequence of n tokens cut at `cuts` -> its chunk lengths and the index of the chunk
+    ending at each cut."""
+    chunks, ends, begin = [], [], 0
+    for end in cuts:
+        if not begin < end <= n:
+            raise ValueError(f"cuts {list(cuts)} are not ascending offsets in (0, {n}]")
+        while begin < end:
+            chunks.append(min(chunk_size, end - begin))
+            begin += chunks[-1]
+        ends.append(len(chunks) - 1)
+    while begin < n:
+        chunks.append(min(chunk_size, n - begin))
+        begin += chunks[-1]
+    return chunks, ends

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_engine.kernels.conv.causal_conv1d import conv_windows_at  # noqa: F401  (two gathers: the torch op serves)
+
 from .common import check_private_write_slots
 
 

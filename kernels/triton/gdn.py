@@ -18,19 +18,61 @@ from .common import check_private_write_slots, contiguous_last
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, cu_seqlens: torch.Tensor,
                            initial_state: torch.Tensor, scale: float | None = None,
-                           use_qk_l2norm: bool = True, chunk_size: int = 64, layout=None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           use_qk_l2norm: bool = True, chunk_size: int = 64, layout=None,
+                           capture_pool: torch.Tensor | None = None,
+                           capture_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as the torch op (see kernels/gdn/chunk.py); fla's chunk size is fixed at 64
-    and fla lays out its chunks itself (no ChunkLayout)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    and fla lays out its chunks itself, so of the ChunkLayout only the cuts are read.
 
-    del chunk_size, layout                               # the torch form's knob and layout
+    With cuts (states to capture inside the sequences), the sequences are split at them and
+    fla runs once per round: round r takes the r-th piece of every sequence that has one, from
+    the final states of round r - 1. That is exact (the state at a cut is a piece's final
+    state) and costs one fla call per cut of the most-cut sequence, usually one or two."""
     T, Hv, dv = v.shape
     if T == 0:
         return v.new_empty(0, Hv, dv), initial_state.float().clone()
+    cuts = layout.cuts if layout is not None and capture_pool is not None else None
+    if cuts is None:
+        return _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state.float(), scale, use_qk_l2norm)
+    starts = [0]
+    for n in layout.lengths:
+        starts.append(starts[-1] + n)
+    pieces = [[0, *c] + ([] if c and c[-1] == n else [n]) for c, n in zip(cuts, layout.lengths)]
+    capture_of, next_capture = {}, 0                    # (sequence, piece end) -> capture number
+    for i, c in enumerate(cuts):
+        for end in c:
+            capture_of[i, end], next_capture = next_capture, next_capture + 1
+    state = initial_state.float().clone()
+    o = v.new_empty(T, Hv, dv)
+    for r in range(max(len(p) - 1 for p in pieces)):
+        seqs = [i for i, p in enumerate(pieces) if len(p) - 1 > r and p[r + 1] > p[r]]
+        if not seqs:
+            continue
+        rows = torch.cat([torch.arange(starts[i] + pieces[i][r], starts[i] + pieces[i][r + 1]) for i in seqs])
+        rows = rows.to(v.device)
+        cu = [0]
+        for i in seqs:
+            cu.append(cu[-1] + pieces[i][r + 1] - pieces[i][r])
+        seq_t = torch.tensor(seqs, device=v.device)
+        o_r, final_r = _fla_chunk(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                  torch.tensor(cu, dtype=torch.int64, device=v.device), state[seq_t],
+                                  scale, use_qk_l2norm)
+        o[rows] = o_r
+        state[seq_t] = final_r
+        taken = [(j, capture_of[i, pieces[i][r + 1]]) for j, i in enumerate(seqs) if (i, pieces[i][r + 1]) in capture_of]
+        if taken:
+            j_t = torch.tensor([j for j, _ in taken], device=v.device)
+            ids = torch.tensor([c for _, c in taken], device=v.device)
+            capture_pool.index_copy_(0, capture_slots[ids], final_r[j_t].to(capture_pool.dtype))
+    return o, state
+
+
+def _fla_chunk(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
     o, final_state = fla_chunk(
         q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.float().unsqueeze(0),
-        beta=beta.unsqueeze(0), scale=scale, initial_state=initial_state.float(),
+        beta=beta.unsqueeze(0), scale=scale, initial_state=initial_state,
         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens)
     return o[0].to(v.dtype), final_state
 

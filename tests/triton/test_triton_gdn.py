@@ -28,6 +28,33 @@ def test_chunk_matches_torch(device, Hk, lengths):
     assert torch.equal(init, init_copy)
 
 
+def test_chunk_captures_states_at_cuts_like_torch(device):
+    """Prefix checkpoints inside a prefill: the state at each cut (offsets not multiples of 64,
+    one at a sequence's end) lands in its capture slot, and the outputs are the uncut ones."""
+    from hybrid_engine.kernels.gdn.chunk import ChunkLayout
+
+    lengths, cuts = [150, 37, 90], [[40, 112, 150], [], [16]]
+    Hv, dk, dv = 4, 16, 8
+    q, k, v, g, beta = gdn_inputs(sum(lengths), 2, Hv, dk, dv, seed=4, device=device)
+    cu_seqlens = make_cu(lengths, device)
+    init = 0.5 * torch.randn(len(lengths), Hv, dk, dv, generator=torch.Generator().manual_seed(5)).to(device)
+    slots = torch.tensor([6, 2, 4, 0], device=device)
+    layout = ChunkLayout(lengths, device=device, cuts=cuts)
+    pool, pool_ref = (torch.zeros(8, Hv, dk, dv, device=device) for _ in range(2))
+
+    o, final = tk.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, init, layout=layout,
+                                         capture_pool=pool, capture_slots=slots)
+    o_ref, final_ref = TORCH["chunk_gated_delta_rule"](q, k, v, g, beta, cu_seqlens, init, layout=layout,
+                                                       capture_pool=pool_ref, capture_slots=slots)
+    o_uncut, _ = tk.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, init)
+
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(final, final_ref, **TOL)
+    torch.testing.assert_close(pool, pool_ref, **TOL)
+    torch.testing.assert_close(o, o_uncut, **TOL)
+    torch.testing.assert_close(pool[slots[2]], final[0], **TOL)          # the cut at 150 = the end
+
+
 def test_chunk_scale_without_l2norm(device):
     q, k, v, g, beta = gdn_inputs(40, seed=3, device=device)
     q, k = 0.3 * q, 0.3 * k
