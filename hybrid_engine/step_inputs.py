@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_engine.kernels import backend_for
-from hybrid_engine.kernels.attention import AttentionLayout, PagedKeys, attention_layout
+from hybrid_engine.kernels.attention import PagedKeys, attention_layout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
@@ -121,7 +121,7 @@ class StepInputBuilder:
         whose offsets and blocks are the two halves of `index` [2, n, L] (so one scatter writes
         a column of both), and `visible` their mask."""
         n = len(inputs.segments)
-        attention = AttentionLayout(PagedKeys(index[1], index[0], visible.view(n, 1, 1, -1)), (), True)
+        attention = dataclasses.replace(inputs.batch.attention, keys=PagedKeys(index[1], index[0], visible.view(n, 1, 1, -1)))
         inputs = dataclasses.replace(inputs, batch=dataclasses.replace(inputs.batch, attention=attention))
         moving = self._moving[:, :n]
         column = moving[0, :, None]                                       # [n, 1]: each row's position

@@ -38,7 +38,7 @@ def _assert_same_inputs(got, want):
         assert getattr(got.batch, name) == getattr(want.batch, name), name
     # the step's facts: the attention layout (recomputed by the steady state too)
     a, b = got.batch.attention, want.batch.attention
-    assert a.slots_valid == b.slots_valid and (a.keys is None) == (b.keys is None)
+    assert a.slots_valid == b.slots_valid and a.query_len == b.query_len and (a.keys is None) == (b.keys is None)
     pairs = [(a.keys, b.keys)] if a.keys is not None else [(x.keys, y.keys) for x, y in zip(a.groups, b.groups)]
     for x, y in pairs:
         for name in ("blocks", "offsets", "visible"):
