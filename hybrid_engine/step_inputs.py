@@ -11,8 +11,11 @@ replaced by choosing a slot after verification.
 
 Steady state: when a step decodes exactly the requests of the last step, in the same order,
 one token each (plain decode), only what changed is written: the new tokens, positions,
-lengths and KV slots moved up by one in place, and a block-table entry for a request that
-entered a new block. Anything else is packed from scratch.
+lengths and KV slots moved up by one in place, a block-table entry for a request that
+entered a new block, and one column of the attention keys (each row's new key made visible;
+PagedKeys' tails re-read the first key, so nothing else of them changes). The values come
+from the host in one tensor, so the step costs a handful of torch ops whatever the batch.
+Anything else, or a step whose keys get wider, is packed from scratch.
 
 The step's facts that layers would otherwise derive in every layer, with reads back to the
 host (ForwardBatch.attention, .decode_rows, .chunks), are computed here once, from the lists
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_engine.kernels import backend_for
-from hybrid_engine.kernels.attention import attention_layout
+from hybrid_engine.kernels.attention import PagedKeys, attention_layout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
@@ -71,16 +74,19 @@ class StepInputBuilder:
         max_num_tokens = max(max_num_tokens + (max_num_seqs if self.k else 0), max_num_seqs * (1 + self.k))
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_num_tokens, **i64)
-        self.positions = torch.zeros(max_num_tokens, **i64)
-        self.slot_mapping = torch.zeros(max_num_tokens, **i64)
+        # Rows of one buffer: positions, lengths, KV slots, and for the steady state (module
+        # docstring) each row's offset in its last block and that block. A plain decode step
+        # moves the first four on by one in one op; the last two, in the order of the keys'
+        # (offsets, blocks), are the values of each row's new key column.
+        self._moving = torch.zeros(5, max_num_tokens, **i64)
+        self.positions, self.seq_lens, self.slot_mapping = self._moving[0], self._moving[1, :max_num_seqs], self._moving[2]
         self.cu_seqlens = torch.zeros(max_num_seqs + 1, **i64)
-        self.seq_lens = torch.zeros(max_num_seqs, **i64)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **i64)
         self.state_slots = torch.zeros(max_num_seqs, **i64)
         self.has_initial_state = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
         self.state_write_slots = torch.zeros(max_num_seqs, 1 + self.k, **i64)
         self.logits_indices = torch.zeros(max_num_tokens, **i64)
-        self._last_decode: StepInputs | None = None   # the last step, if it was plain decode only
+        self._last_decode: _SteadyDecode | None = None   # the last step, if it was plain decode only
 
     def build(self, sched: ScheduledBatch, cache: HybridCacheManager) -> StepInputs:
         if not sched.prefills and self._last_decode is not None:
@@ -99,20 +105,39 @@ class StepInputBuilder:
             segments.append(Segment(req, req.num_computed_tokens, n, row, True, True))
             row += n
         inputs = self._pack(segments, len(sched.prefills), cache)
-        plain_decode = not sched.prefills and inputs.batch.decode_len == 1
-        self._last_decode = inputs if plain_decode else None
+        self._last_decode = None
+        if not sched.prefills and inputs.batch.decode_len == 1:       # plain decode
+            bs, n = self.block_size, len(segments)
+            blocks = [cache.get(s.request.request_id).block_table[s.start // bs] for s in segments]
+            self._moving[4, :n].copy_(torch.tensor(blocks, dtype=torch.int64))
+            self._moving[3, :n].copy_(inputs.batch.positions % bs)
+            keys = inputs.batch.attention.keys
+            self._last_decode = self._steady(inputs, torch.stack([keys.offsets, keys.blocks]), keys.visible)
+            inputs = self._last_decode.inputs
         return inputs
+
+    def _steady(self, inputs: StepInputs, index: torch.Tensor, visible: torch.Tensor) -> _SteadyDecode:
+        """The steady state's handles on a plain decode step: its inputs with attention keys
+        whose offsets and blocks are the two halves of `index` [2, n, L] (so one scatter writes
+        a column of both), and `visible` their mask."""
+        n = len(inputs.segments)
+        attention = dataclasses.replace(inputs.batch.attention, keys=PagedKeys(index[1], index[0], visible.view(n, 1, 1, -1)))
+        inputs = dataclasses.replace(inputs, batch=dataclasses.replace(inputs.batch, attention=attention))
+        moving = self._moving[:, :n]
+        column = moving[0, :, None]                                       # [n, 1]: each row's position
+        return _SteadyDecode(inputs, moving[:4], index, column.expand(2, n, 1), moving[3:5, :, None],
+                             visible.view(n, -1), column)
 
     def _advance_decodes(self, decodes: list[Request], cache: HybridCacheManager) -> StepInputs | None:
         """The steady state (module docstring), or None when the batch is not the last one moved
         on by one token. cu_seqlens, state slots, write slots and logits rows stay as they are:
         without drafts a running request never changes its state slot or its earlier blocks."""
         last = self._last_decode
-        if len(decodes) != len(last.segments):
+        if len(decodes) != len(last.inputs.segments):
             return None
         bs = self.block_size
         segments, ids, new_blocks = [], [], []
-        for row, (req, prev) in enumerate(zip(decodes, last.segments)):
+        for row, (req, prev) in enumerate(zip(decodes, last.inputs.segments)):
             start = req.num_computed_tokens
             if req is not prev.request or start != prev.start + 1 or req.draft_token_ids:
                 return None
@@ -120,25 +145,48 @@ class StepInputBuilder:
             if start % bs == 0:
                 new_blocks.append((row, start // bs, cache.get(req.request_id).block_table[start // bs]))
             segments.append(Segment(req, start, 1, row, True, True))
-        n, batch = len(segments), last.batch      # its views read the buffers changed below
-        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64))
-        batch.positions.add_(1)
-        batch.seq_lens.add_(1)
-        batch.slot_mapping.add_(1)
+        n, batch = len(segments), last.inputs.batch      # its views read the buffers changed below
+        last.inputs.input_ids.copy_(torch.tensor(ids, dtype=torch.int64))
+        last.moving.add_(1)                              # positions, seq_lens, slot_mapping, offsets
         if new_blocks:
             old_width = batch.block_tables.shape[1]
-            width = max(col for _, col, _ in new_blocks) + 1
-            if width > old_width:
-                batch = dataclasses.replace(batch, block_tables=self.block_tables[:n, :width])
-                batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
-            for row, col, block in new_blocks:
-                batch.block_tables[row, col] = block
-                self.slot_mapping[row] = block * bs
-        batch = dataclasses.replace(batch, attention=attention_layout(
-            batch.block_tables, batch.seq_lens, [1] * n, bs, slots_valid=True))
-        inputs = StepInputs(self.input_ids[:n], batch, segments, [(seg, seg.first_row, 1) for seg in segments])
-        self._last_decode = inputs
+            batch = self._enter_blocks(batch, new_blocks)
+            if batch.block_tables.shape[1] > old_width:
+                # Wider keys: the new columns are tails, which re-read the first key: the
+                # offset and block of column 0 (position 0 is always visible), and hidden.
+                extra = (batch.block_tables.shape[1] - old_width) * bs
+                index = torch.cat([last.key_index, last.key_index[:, :, :1].expand(2, n, extra)], 2)
+                visible = torch.cat([last.visible, last.visible.new_zeros(n, extra)], 1)
+                last = self._last_decode = self._steady(StepInputs(last.inputs.input_ids, batch, segments, []),
+                                                        index, visible)
+                batch = last.inputs.batch
+        # Each row's new key, at column = its position: its offset and block, and visible.
+        last.key_index.scatter_(2, last.key_column, last.key_values)
+        last.visible.scatter_(1, last.position, True)
+        inputs = StepInputs(last.inputs.input_ids, batch, segments, [(s, s.first_row, 1) for s in segments])
+        last.inputs = inputs
         return inputs
+
+    def _enter_blocks(self, batch: ForwardBatch, new_blocks: list[tuple[int, int, int]]) -> ForwardBatch:
+        """Rows that entered a new block at this step's position: its block-table entry, the
+        row's last block, and its KV slot and offset (moved on by one from the last block's end)
+        at the new block's start."""
+        old_width = batch.block_tables.shape[1]
+        width = max(col for _, col, _ in new_blocks) + 1
+        if width > old_width:
+            batch = dataclasses.replace(batch, block_tables=self.block_tables[:batch.seq_lens.shape[0], :width])
+            batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
+        T, width = self._moving.shape[1], self.block_tables.shape[1]
+        table_at = [row * width + col for row, col, _ in new_blocks]
+        # The row's KV slot, offset and last block (rows 2, 3, 4 of the moving buffer).
+        moving_at = [i * T + row for row, _, _ in new_blocks for i in (2, 3, 4)]
+        blocks = [block for _, _, block in new_blocks]
+        values = blocks + [v for b in blocks for v in (b * self.block_size, 0, b)]
+        written = torch.tensor(table_at + moving_at + values, dtype=torch.int64, device=self.block_tables.device)
+        m = len(blocks)
+        self.block_tables.view(-1).index_copy_(0, written[:m], written[4 * m:5 * m])
+        self._moving.view(-1).index_copy_(0, written[m:4 * m], written[5 * m:])
+        return batch
 
     def _pack(self, segments: list[Segment], num_prefills: int, cache: HybridCacheManager) -> StepInputs:
         # Plain lists per buffer, then one tensor and one in-place copy each: per-token and
@@ -252,3 +300,16 @@ class StepInputBuilder:
             num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
             attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True),
             decode_rows=None, chunks=None)
+
+
+@dataclass
+class _SteadyDecode:
+    """The last step, when it was plain decode only, and the views the steady state writes."""
+
+    inputs: StepInputs
+    moving: torch.Tensor        # [4, n]: positions, seq_lens, slot_mapping, offsets in the last block
+    key_index: torch.Tensor     # [2, n, L]: the attention keys' offsets and blocks
+    key_column: torch.Tensor    # [2, n, 1]: each row's position, for both
+    key_values: torch.Tensor    # [2, n, 1]: each row's offset in its last block, and that block
+    visible: torch.Tensor       # [n, L]: the keys' mask
+    position: torch.Tensor      # [n, 1]

@@ -31,9 +31,11 @@ class PagedKeys:
 
     blocks, offsets: [N, L] int64, L = the block table's width * block_size: key position l of
     sequence n sits at kv_cache[blocks[n, l], :, offsets[n, l]]. Positions past a sequence's
-    length re-read its last key, so every gathered entry belongs to the sequence (block-table
+    length re-read its first key, so every gathered entry belongs to the sequence (block-table
     tails may hold garbage ids, unwritten slots NaN, and NaN * 0 would still poison the
-    output); `visible` hides them. visible: [N, 1, Q, L] bool, key l seen by query q.
+    output); `visible` hides them. The first key, not the last, so that one more token changes
+    one column (the step-input builder's steady decode state updates these in place).
+    visible: [N, 1, Q, L] bool, key l seen by query q.
     """
 
     blocks: torch.Tensor
@@ -74,7 +76,7 @@ def paged_keys(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_len: in
     """PagedKeys of sequences with `query_len` new tokens each (seq_lens: [N] cached + new)."""
     device = block_tables.device
     key_pos = torch.arange(block_tables.shape[1] * block_size, device=device)
-    pos = torch.minimum(key_pos, (seq_lens - 1)[:, None])                       # [N, L]
+    pos = key_pos * (key_pos < seq_lens[:, None])                                # [N, L]
     q_pos = (seq_lens - query_len)[:, None] + torch.arange(query_len, device=device)   # [N, Q]
     return PagedKeys(block_tables.gather(1, pos // block_size), pos % block_size,
                      (key_pos <= q_pos[:, :, None])[:, None])

@@ -38,7 +38,7 @@ def _assert_same_inputs(got, want):
         assert getattr(got.batch, name) == getattr(want.batch, name), name
     # the step's facts: the attention layout (recomputed by the steady state too)
     a, b = got.batch.attention, want.batch.attention
-    assert a.slots_valid == b.slots_valid and (a.keys is None) == (b.keys is None)
+    assert a.slots_valid == b.slots_valid and a.query_len == b.query_len and (a.keys is None) == (b.keys is None)
     pairs = [(a.keys, b.keys)] if a.keys is not None else [(x.keys, y.keys) for x, y in zip(a.groups, b.groups)]
     for x, y in pairs:
         for name in ("blocks", "offsets", "visible"):
@@ -60,7 +60,7 @@ def _check_every_build(engine) -> list[int]:
     def checked_build(sched, cache):
         steady = not sched.prefills and b._last_decode is not None
         inputs = build(sched, cache)
-        num_steady[0] += steady and b._last_decode is inputs and inputs.batch.num_decodes > 0
+        num_steady[0] += steady and b._last_decode.inputs is inputs and inputs.batch.num_decodes > 0
         _assert_same_inputs(inputs, fresh._pack(inputs.segments, inputs.batch.num_prefills, cache))
         return inputs
 
@@ -101,7 +101,7 @@ def test_steady_state_widening_clears_stale_block_table_columns(ckpt):
     widths = []
     while engine.has_unfinished_requests():
         engine.step()
-        widths.append(engine.builder._last_decode.batch.block_tables.shape[1]
+        widths.append(engine.builder._last_decode.inputs.batch.block_tables.shape[1]
                       if engine.builder._last_decode is not None else None)
     assert widths[2:4] == [2, 3] and num_steady[0] > 0
 
