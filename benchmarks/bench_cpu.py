@@ -105,11 +105,12 @@ def engine_prefill(engine, vocab: int, seed: int = 1) -> dict:
     return {"tok_s": PREFILL_LEN / (time.perf_counter() - t0)}
 
 
-def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False):
+def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False, prefix_caching: bool = True):
     from hybrid_engine import LLM
     return LLM(model=folder, dtype=dtype, max_num_seqs=max_batch,
                max_num_batched_tokens=max(2048, max_batch * DECODE_PROMPT_LEN),
-               max_model_len=MAX_MODEL_LEN, enable_torch_compile=compile).engine
+               max_model_len=MAX_MODEL_LEN, enable_torch_compile=compile,
+               enable_prefix_caching=prefix_caching).engine
 
 
 def hf_generate(model, ids, new_tokens: int, timer: ForwardTimer) -> float:

@@ -29,16 +29,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="prefix caching off (on by default, as in the engine); for A/B against trees without it")
     args = ap.parse_args()
 
     import torch
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
-    engine = make_engine(str(default_model_path()), "float32", 16)
+    engine = make_engine(str(default_model_path()), "float32", 16, prefix_caching=args.prefix_caching)
     vocab = engine.model_config.vocab_size
     engine_decode(engine, 1, 8, vocab)                        # warm-up
     rows = []
-    print(f"default (tiny) model, float32, {args.threads} thread(s), {args.steps} decode steps, median of {args.runs}")
+    print(f"default (tiny) model, float32, prefix caching {'on' if args.prefix_caching else 'off'}, {args.threads} thread(s), {args.steps} decode steps, median of {args.runs}")
     print(f"{'batch':>5} | {'steps/s':>8} | {'tokens/s':>8} | {'step ms':>7} | {'forward ms':>10} | {'outside':>7}")
     for b in [int(x) for x in args.batches.split(",")]:
         runs = [engine_decode(engine, b, args.steps, vocab) for _ in range(args.runs)]
