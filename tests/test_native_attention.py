@@ -57,7 +57,7 @@ CASES = [  # seed, N, Q, nh, nkv, hd, block_size
 ]
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="CPU level none (HYBRID_ENGINE_CPU_ISA=none or no AVX2+FMA): no native kernel may run; the torch form there is checked by test_paged_attention_takes_the_native_kernel_where_it_runs")
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed, N, Q, nh, nkv, hd, block_size", CASES)
@@ -68,7 +68,7 @@ def test_native_matches_the_reference(level, dtype, seed, N, Q, nh, nkv, hd, blo
     torch.testing.assert_close(got, _reference(q, cache, table, lens), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="CPU level none (HYBRID_ENGINE_CPU_ISA=none or no AVX2+FMA): no native kernel may run; the torch form there is checked by test_paged_attention_takes_the_native_kernel_where_it_runs")
 def test_native_rejects_a_block_outside_the_cache():
     q, cache, table, lens = _case(7, 2, 1, 4, 2, 32, 16, torch.float32)
     table[1, 0] = cache.shape[0]
