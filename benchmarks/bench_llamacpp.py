@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # examples/qwen35_bpe.py: Qwen3.5's tokenizer format (not part of the runtime package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench_cpu import PREFILL_LEN, cpu_name, spawn  # noqa: E402
+from bench_cpu import DECODE_PROMPT_LEN, PREFILL_LEN, bandwidth_probe, bytes_per_decode_step, cpu_name, spawn  # noqa: E402
 from random_checkpoint import QWEN35_08B_CONFIG, write_random_checkpoint  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -308,12 +308,20 @@ def run_ours(engine: str, folder: Path, dtype: str, threads: int, runs: int, lev
 
 # ---- report -----------------------------------------------------------------------------------
 
-def table(rows: list[dict], generate: int = GENERATE) -> str:
-    """One line per (level, dtype, engine): pp512 and tg128 tok/s, and ours / llama.cpp."""
+def roofline(dtype: str, generate: int, bandwidth_gb_s: float) -> dict:
+    """The batch-1 decode roofline at 0.8B dims: the bytes a step must read (every weight once,
+    the GDN states, the KV of the mean context) at the measured read bandwidth."""
+    step = bytes_per_decode_step(QWEN35_08B_CONFIG, dtype, DECODE_PROMPT_LEN + generate // 2)
+    return {"bytes_per_step": step, "tok_s": bandwidth_gb_s * 1e9 / step["total"]}
+
+
+def table(rows: list[dict], generate: int = GENERATE, roofs: dict | None = None) -> str:
+    """One line per (level, dtype, engine): pp512 and tg128 tok/s, ours / llama.cpp, and the
+    decode's share of the memory roofline (roofs: dtype -> roofline())."""
     ref = {(r["level"], r["dtype"]): r for r in rows if r["engine"] == "llama.cpp"}
     keys = (f"pp{PROMPT}", f"tg{generate}")
     lines = [f"{'level':<7} {'dtype':<9} {'engine':<10} {keys[0] + ' tok/s':>12} {keys[1] + ' tok/s':>12} "
-             f"{'pp ratio':>9} {'tg ratio':>9}"]
+             f"{'pp ratio':>9} {'tg ratio':>9} {'roofline':>9}"]
     for r in rows:
         cells = [f"{r['level']:<7} {r['dtype']:<9} {r['engine']:<10}"]
         for key in keys:
@@ -324,6 +332,8 @@ def table(rows: list[dict], generate: int = GENERATE) -> str:
                 cells.append(f"{r[key]['tok_s'] / base[key]['tok_s']:>8.2f}x")
             else:
                 cells.append(f"{'':>9}")
+        roof = (roofs or {}).get(r["dtype"])
+        cells.append(f"{100 * r[keys[1]]['tok_s'] / roof['tok_s']:>8.0f}%" if roof and keys[1] in r else f"{'-':>9}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
 
@@ -383,6 +393,12 @@ def main() -> None:
         return
     started = datetime.datetime.now().isoformat(timespec="seconds")
     load_start = os.getloadavg()
+    import torch
+    torch.set_num_threads(args.threads)
+    bandwidth = bandwidth_probe()
+    roofs = {dtype: roofline(dtype, args.generate, bandwidth["gb_s"]) for dtype in dtypes}
+    print(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({args.threads} threads); batch-1 roofline "
+          + ", ".join(f"{d} {r['tok_s']:.1f} tok/s" for d, r in roofs.items()), flush=True)
     rows = []
     for dtype in dtypes:
         for level in levels:
@@ -393,12 +409,13 @@ def main() -> None:
                 print(f"{engine} {level} {dtype} ...", flush=True)
                 rows.append({"level": level, "dtype": dtype, "engine": engine,
                              **run_ours(engine, folder, dtype, args.threads, args.runs, level, args.generate)})
-    print(table(rows, args.generate))
+    print(table(rows, args.generate, roofs))
     meta = {"started": started, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name] + sys.argv), "threads": args.threads,
             "runs": args.runs, "prompt": PROMPT, "generate": args.generate,
             "llama_cpp_python": LLAMA_CPP_PYTHON, "builds": builds, "checkpoint": str(folder),
-            "load_start": load_start, "load_end": os.getloadavg(), "cpu": cpu_record()}
+            "load_start": load_start, "load_end": os.getloadavg(), "cpu": cpu_record(),
+            "bandwidth": bandwidth, "roofline": roofs}
     args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     print(f"\nload average start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}; JSON in {args.json}")
 
