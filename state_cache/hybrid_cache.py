@@ -92,15 +92,16 @@ class HybridCacheManager:
             torch.zeros((num_blocks, *spec.kv_block_shape), dtype=spec.kv_dtype, device=device)
             for _ in range(spec.num_attention_layers)
         ]
-        # Row num_slots of every GDN pool is pad_slot, never handed out.
-        self.conv_states = [
-            torch.zeros((num_slots + 1, *spec.conv_slot_shape), dtype=spec.conv_dtype, device=device)
-            for _ in range(spec.num_gdn_layers)
-        ]
-        self.recurrent_states = [
-            torch.zeros((num_slots + 1, *spec.recurrent_slot_shape), dtype=spec.state_dtype, device=device)
-            for _ in range(spec.num_gdn_layers)
-        ]
+        # Row num_slots of every GDN pool is pad_slot, never handed out. Each kind's pools are
+        # the layers of one tensor [layers, slots, ...] (each layer's a contiguous view): a
+        # slot's state in every layer (a checkpoint saved or loaded, a fork) is one copy, not
+        # one per layer and kind (a decode that crosses a block boundary saves one).
+        self.conv_layers = torch.zeros((spec.num_gdn_layers, num_slots + 1, *spec.conv_slot_shape),
+                                       dtype=spec.conv_dtype, device=device)
+        self.recurrent_layers = torch.zeros((spec.num_gdn_layers, num_slots + 1, *spec.recurrent_slot_shape),
+                                            dtype=spec.state_dtype, device=device)
+        self.conv_states = list(self.conv_layers.unbind(0))
+        self.recurrent_states = list(self.recurrent_layers.unbind(0))
         self._blocks = PrefixBlockPool(num_blocks)
         self.checkpoints = CheckpointPool(spec, num_checkpoints, device)
         self.copy_last_hit_block = copy_last_hit_block
@@ -261,9 +262,8 @@ class HybridCacheManager:
 
     def _load_checkpoint(self, checkpoint: Checkpoint, slot: int) -> None:
         pool = self.checkpoints
-        for conv, rec, ck_conv, ck_rec in zip(self.conv_states, self.recurrent_states, pool.conv, pool.recurrent):
-            conv[slot].copy_(ck_conv[checkpoint.entry])
-            rec[slot].copy_(ck_rec[checkpoint.entry])
+        self.conv_layers.select(1, slot).copy_(pool.conv_layers.select(1, checkpoint.entry))
+        self.recurrent_layers.select(1, slot).copy_(pool.recurrent_layers.select(1, checkpoint.entry))
         pool.touch(checkpoint.key)
 
     def take_hit_hidden(self, request_id: Hashable) -> torch.Tensor | None:
@@ -389,9 +389,8 @@ class HybridCacheManager:
         if checkpoint is None:
             return False
         pool, entry = self.checkpoints, checkpoint.entry
-        for conv, rec, ck_conv, ck_rec in zip(self.conv_states, self.recurrent_states, pool.conv, pool.recurrent):
-            ck_conv[entry].copy_(conv[source_slot])
-            ck_rec[entry].copy_(rec[source_slot])
+        pool.conv_layers.select(1, entry).copy_(self.conv_layers.select(1, source_slot))
+        pool.recurrent_layers.select(1, entry).copy_(self.recurrent_layers.select(1, source_slot))
         if hidden is not None and self.spec.hidden_size:
             pool.hidden[entry].copy_(hidden)
         return True
@@ -471,8 +470,8 @@ class HybridCacheManager:
             for kv in self.kv_caches:
                 kv.index_copy_(0, new, kv.index_select(0, old))
         slot, *draft_slots = self._slots.allocate(1 + num_draft_slots)
-        for pool in (*self.conv_states, *self.recurrent_states):
-            pool[slot].copy_(pool[src.slot])
+        for layers in (self.conv_layers, self.recurrent_layers):
+            layers.select(1, slot).copy_(layers.select(1, src.slot))
         dst = RequestCache(shared + copied, slot, draft_slots, num_tokens, num_committed_tokens=num_tokens,
                            num_cached_blocks=len(shared))
         self._requests[dst_request_id] = dst
