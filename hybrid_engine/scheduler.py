@@ -91,9 +91,11 @@ class Scheduler:
             if n == 0 or budget < n:
                 continue
             total = self._tokens_to_hold(req, req.num_computed_tokens, n)
-            if not self._make_room(req, total, batch):
-                continue
-            self.cache.grow(req.request_id, max(total, self.cache.get(req.request_id).num_tokens))
+            # It may hold that many already: blocks past its committed length stay with it.
+            if total > self.cache.get(req.request_id).num_tokens:
+                if not self._make_room(req, total, batch):
+                    continue
+                self.cache.grow(req.request_id, total)
             if is_decode:
                 batch.decodes.append(req)
             else:

@@ -297,22 +297,27 @@ class HybridCacheManager:
         return max(self.spec.blocks_for(new_num_tokens) - len(cache.block_table), 0)
 
     def can_grow(self, request_id: Hashable, new_num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, new_num_tokens) <= self.num_free_blocks
+        needed = self.blocks_needed(request_id, new_num_tokens)
+        return needed == 0 or needed <= self.num_free_blocks
 
     def grow(self, request_id: Hashable, new_num_tokens: int) -> None:
+        """Room for new_num_tokens tokens (never fewer than it holds). A decode grows every
+        step and needs a new block once per block_size steps: the other steps only move the
+        count."""
         cache = self.get(request_id)
         if new_num_tokens < cache.num_tokens:
             raise ValueError(
                 f"request {request_id!r} holds {cache.num_tokens} tokens; grow to "
                 f"{new_num_tokens} would shrink it (use truncate)"
             )
-        needed = self.blocks_needed(request_id, new_num_tokens)
-        if needed > self.num_free_blocks:
-            raise CacheCapacityError(
-                f"request {request_id!r} needs {needed} more KV blocks to hold {new_num_tokens} "
-                f"tokens but only {self.num_free_blocks} of {self.num_blocks} are free"
-            )
-        cache.block_table.extend(self._blocks.allocate(needed))
+        needed = self.spec.blocks_for(new_num_tokens) - len(cache.block_table)
+        if needed > 0:
+            if needed > self.num_free_blocks:
+                raise CacheCapacityError(
+                    f"request {request_id!r} needs {needed} more KV blocks to hold {new_num_tokens} "
+                    f"tokens but only {self.num_free_blocks} of {self.num_blocks} are free"
+                )
+            cache.block_table.extend(self._blocks.allocate(needed))
         cache.num_tokens = new_num_tokens
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
