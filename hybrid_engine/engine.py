@@ -334,6 +334,11 @@ class LLMEngine:
     def _caller_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Per-sequence outputs -> one per caller's request: the outputs of a request's n
         samples are merged into one (at the place of the first of them)."""
+        if not self.groups:             # no request has n > 1: each output is its caller's
+            for out in outputs:
+                if out.finished:
+                    del self.requests[out.request_id]
+            return outputs
         result: list[RequestOutput | RequestGroup] = []
         of_group: dict[RequestGroup, list[RequestOutput]] = {}
         for out in outputs:
@@ -372,7 +377,10 @@ class LLMEngine:
         if greedy:
             targets, at = greedy_tokens(_logits_rows(logits, greedy)).tolist(), 0
             for seg, _, n in greedy:
-                result[id(seg)] = (accept_greedy(targets[at:at + n], seg.request.draft_token_ids), [None] * n)
+                # One row (a plain decode, a prefill's end) emits its target whatever the drafts.
+                tokens = (targets[at:at + 1] if n == 1
+                          else accept_greedy(targets[at:at + n], seg.request.draft_token_ids))
+                result[id(seg)] = (tokens, [None] * n)
                 at += n
         if sampled:
             out, at = self.sampler(_logits_rows(logits, sampled), rows), 0
@@ -435,9 +443,9 @@ class LLMEngine:
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:
     """The rows of (segment, first row, rows) spans, in order; `logits` itself (no gather) when
     they are all of its rows, as sample_spans are sorted and disjoint."""
-    index = [row for _, first, n in spans for row in range(first, first + n)]
-    if len(index) == logits.shape[0]:
+    if sum(n for _, _, n in spans) == logits.shape[0]:
         return logits
+    index = [row for _, first, n in spans for row in range(first, first + n)]
     return logits[torch.tensor(index, device=logits.device)]
 
 
