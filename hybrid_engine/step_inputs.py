@@ -26,7 +26,8 @@ buffers.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +52,7 @@ class Segment:
     is_decode: bool
     samples: bool       # reaches the end of the known tokens, so logits are needed
     # prefix caching: (position, checkpoint entry) its GDN states are captured at (prefill only)
-    captures: list[tuple[int, int]] = field(default_factory=list)
+    captures: Sequence[tuple[int, int]] = ()
 
 
 @dataclass
@@ -98,7 +99,7 @@ class StepInputBuilder:
         for req, n in sched.prefills:
             start = req.num_computed_tokens
             segments.append(Segment(req, start, n, row, False, start + n == req.num_tokens,
-                                    sched.captures.get(req.request_id, [])))
+                                    sched.captures.get(req.request_id, ())))
             row += n
         for req in sched.decodes:
             n = 1 + len(req.draft_token_ids)
