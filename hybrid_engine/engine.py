@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from hybrid_engine.kernels.attention import needs_paged_keys
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
 
@@ -122,7 +123,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, k, self.prefix)
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
-                                        max_blocks_per_seq, config.block_size, k, config.device)
+                                        max_blocks_per_seq, config.block_size, k, config.device,
+                                        self._keyless_query_lens())
         graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
@@ -141,6 +143,15 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+    def _keyless_query_lens(self) -> frozenset[int]:
+        """The decode and verify lengths (1, 1 + k) whose attention reads no PagedKeys in any
+        layer, so that steps of them are built without. Compiled steps trace the keys' sizes."""
+        if self.config.enable_torch_compile:
+            return frozenset()
+        heads = self.model_config.num_attention_heads
+        return frozenset(q for q in {1, 1 + self.num_speculative_tokens}
+                         if not any(needs_paged_keys(kv, heads, q) for kv in self.cache.kv_caches))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:
