@@ -324,7 +324,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no request fits the cache")
             return []
-        now = time.monotonic()
+        now = time.monotonic() if sched.prefills else None      # a request is first scheduled to prefill
         for req, _ in sched.prefills:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now

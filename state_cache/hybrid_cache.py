@@ -301,9 +301,18 @@ class HybridCacheManager:
         return needed == 0 or needed <= self.num_free_blocks
 
     def grow(self, request_id: Hashable, new_num_tokens: int) -> None:
-        """Room for new_num_tokens tokens (never fewer than it holds). A decode grows every
-        step and needs a new block once per block_size steps: the other steps only move the
-        count."""
+        """Room for new_num_tokens tokens (never fewer than it holds)."""
+        if not self.try_grow(request_id, new_num_tokens):
+            raise CacheCapacityError(
+                f"request {request_id!r} needs {self.blocks_needed(request_id, new_num_tokens)} more KV "
+                f"blocks to hold {new_num_tokens} tokens but only {self.num_free_blocks} of "
+                f"{self.num_blocks} are free"
+            )
+
+    def try_grow(self, request_id: Hashable, new_num_tokens: int) -> bool:
+        """`grow` where the blocks it needs are free; False, changing nothing, where not (the
+        scheduler's check and growth in one call: a decode grows every step, and needs a new
+        block once per block_size steps)."""
         cache = self.get(request_id)
         if new_num_tokens < cache.num_tokens:
             raise ValueError(
@@ -313,12 +322,10 @@ class HybridCacheManager:
         needed = self.spec.blocks_for(new_num_tokens) - len(cache.block_table)
         if needed > 0:
             if needed > self.num_free_blocks:
-                raise CacheCapacityError(
-                    f"request {request_id!r} needs {needed} more KV blocks to hold {new_num_tokens} "
-                    f"tokens but only {self.num_free_blocks} of {self.num_blocks} are free"
-                )
+                return False
             cache.block_table.extend(self._blocks.allocate(needed))
         cache.num_tokens = new_num_tokens
+        return True
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
         """Shrink what the request holds to num_tokens tokens; frees the tail blocks."""
