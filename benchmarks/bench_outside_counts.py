@@ -1,6 +1,8 @@
-"""Work outside the model forward per decode step, counted (issue 15): aten ops dispatched and
-Python calls made between forwards, at batch 1 and 16 on the default model. Counts do not move
-with the machine's load, unlike bench_engine.py's timings; run it in two checkouts to A/B them.
+"""Work outside the model forward per decode step, counted (issue 15): aten ops dispatched,
+Python calls made and Python bytecodes executed between forwards, at batch 1 and 16 on the
+default model. Counts do not move with the machine's load, unlike bench_engine.py's timings;
+run it in two checkouts to A/B them. Bytecodes also see work that makes no call (loops,
+attribute reads) and calls the profiler does not report (a functools.partial's target).
 
     python benchmarks/bench_outside_counts.py [--batches 1,16] [--steps 64] [--top 0]
 
@@ -60,6 +62,16 @@ def main() -> None:
                 ops[(str(func), caller())] += 1
             return func(*args, **(kwargs or {}))
 
+    bytecodes = [0]
+
+    def count_bytecodes(frame, event, arg):
+        if inside[0]:
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            bytecodes[0] += 1
+        return count_bytecodes
+
     def count_call(frame, event, arg):
         if inside[0]:
             return
@@ -70,7 +82,7 @@ def main() -> None:
 
     print(f"default model, float32, per decode step outside the forward, mean over {args.steps} steps")
     for b in [int(x) for x in args.batches.split(",")]:
-        params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 9, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 9, ignore_eos=True)
         for p in prompts(vocab, b, DECODE_PROMPT_LEN, 0):
             engine.add_request(p, params)
         for _ in range(8):                            # the prefill and the first decodes
@@ -82,16 +94,22 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         sys.setprofile(None)
+        sys.settrace(count_bytecodes)
+        for _ in range(args.steps):
+            engine.step()
+        sys.settrace(None)
         while engine.has_unfinished_requests():
             engine.step()
         print(f"batch {b:>2}: aten ops {sum(ops.values()) / args.steps:6.1f}, "
-              f"Python calls {sum(calls.values()) / args.steps:7.1f}")
+              f"Python calls {sum(calls.values()) / args.steps:7.1f}, "
+              f"Python bytecodes {bytecodes[0] / args.steps:8.0f}")
         for (op, where), n in ops.most_common(args.top):
             print(f"    {n / args.steps:6.2f}  {op:36s} {where}")
         for name, n in calls.most_common(args.top):
             print(f"    {n / args.steps:6.2f}  {name}")
         ops.clear()
         calls.clear()
+        bytecodes[0] = 0
 
 
 if __name__ == "__main__":

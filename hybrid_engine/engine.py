@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from hybrid_engine.kernels.attention import needs_paged_keys
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
 
@@ -122,7 +123,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, k, self.prefix)
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
-                                        max_blocks_per_seq, config.block_size, k, config.device)
+                                        max_blocks_per_seq, config.block_size, k, config.device,
+                                        self._keyless_query_lens())
         graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
@@ -141,6 +143,15 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
+
+    def _keyless_query_lens(self) -> frozenset[int]:
+        """The decode and verify lengths (1, 1 + k) whose attention reads no PagedKeys in any
+        layer, so that steps of them are built without. Compiled steps trace the keys' sizes."""
+        if self.config.enable_torch_compile:
+            return frozenset()
+        heads = self.model_config.num_attention_heads
+        return frozenset(q for q in {1, 1 + self.num_speculative_tokens}
+                         if not any(needs_paged_keys(kv, heads, q) for kv in self.cache.kv_caches))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:
@@ -313,7 +324,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no request fits the cache")
             return []
-        now = time.monotonic()
+        now = time.monotonic() if sched.prefills else None      # a request is first scheduled to prefill
         for req, _ in sched.prefills:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -334,6 +345,11 @@ class LLMEngine:
     def _caller_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Per-sequence outputs -> one per caller's request: the outputs of a request's n
         samples are merged into one (at the place of the first of them)."""
+        if not self.groups:             # no request has n > 1: each output is its caller's
+            for out in outputs:
+                if out.finished:
+                    del self.requests[out.request_id]
+            return outputs
         result: list[RequestOutput | RequestGroup] = []
         of_group: dict[RequestGroup, list[RequestOutput]] = {}
         for out in outputs:
@@ -372,7 +388,10 @@ class LLMEngine:
         if greedy:
             targets, at = greedy_tokens(_logits_rows(logits, greedy)).tolist(), 0
             for seg, _, n in greedy:
-                result[id(seg)] = (accept_greedy(targets[at:at + n], seg.request.draft_token_ids), [None] * n)
+                # One row (a plain decode, a prefill's end) emits its target whatever the drafts.
+                tokens = (targets[at:at + 1] if n == 1
+                          else accept_greedy(targets[at:at + n], seg.request.draft_token_ids))
+                result[id(seg)] = (tokens, [None] * n)
                 at += n
         if sampled:
             out, at = self.sampler(_logits_rows(logits, sampled), rows), 0
@@ -435,9 +454,9 @@ class LLMEngine:
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:
     """The rows of (segment, first row, rows) spans, in order; `logits` itself (no gather) when
     they are all of its rows, as sample_spans are sorted and disjoint."""
-    index = [row for _, first, n in spans for row in range(first, first + n)]
-    if len(index) == logits.shape[0]:
+    if sum(n for _, _, n in spans) == logits.shape[0]:
         return logits
+    index = [row for _, first, n in spans for row in range(first, first + n)]
     return logits[torch.tensor(index, device=logits.device)]
 
 

@@ -200,22 +200,26 @@ class PrefixCaching:
                     self.cache.write_checkpoint_hidden(entry, hidden[seg.first_row + p - seg.start - 1])
                     self.stats.num_checkpoints_taken += 1
                 continue
-            rc = self.cache.get(req.request_id)
             # Committed after this verify: start + accepted + 1 = start + emitted tokens.
             end = (seg.start + len(result.token_ids)) // bs * bs
             if end <= seg.start:
                 continue
+            rc = self.cache.get(req.request_id)
             j = end - seg.start - 1                   # write slot j: the state after position start + j
             slot = rc.slot if j == 0 else rc.draft_slots[j - 1]
-            key, row = self._hash_through(req, end, result.token_ids), seg.first_row + j
-            if self.cache.save_checkpoint(req.request_id, end, key, slot, hidden[row], pending=True):
+            key = self._hash_through(req, end, result.token_ids)
+            row = hidden[seg.first_row + j] if self.cache.spec.hidden_size else None   # kept for MTP only
+            if self.cache.save_checkpoint(req.request_id, end, key, slot, row, pending=True):
                 self.stats.num_checkpoints_taken += 1
 
     # -- blocks -----------------------------------------------------------------------------
 
     def cache_blocks(self, req: Request) -> None:
-        """Registers the request's committed full blocks, so that others can share them."""
-        self.cache.cache_blocks(req.request_id, self.block_hashes(req))
+        """Registers the request's committed full blocks, so that others can share them. Called
+        for every request every step: most steps fill no block, and then nothing is hashed."""
+        rc = self.cache.get(req.request_id)
+        if rc.num_committed_tokens // self.block_size > rc.num_cached_blocks:
+            self.cache.cache_blocks(req.request_id, self.block_hashes(req))
 
     def before_free(self, req: Request) -> None:
         self.cache_blocks(req)

@@ -91,9 +91,9 @@ class Scheduler:
             if n == 0 or budget < n:
                 continue
             total = self._tokens_to_hold(req, req.num_computed_tokens, n)
-            if not self._make_room(req, total, batch):
+            # It may hold that many already: blocks past its committed length stay with it.
+            if total > self.cache.get(req.request_id).num_tokens and not self._grow(req, total, batch):
                 continue
-            self.cache.grow(req.request_id, max(total, self.cache.get(req.request_id).num_tokens))
             if is_decode:
                 batch.decodes.append(req)
             else:
@@ -153,9 +153,10 @@ class Scheduler:
     def _queued(self) -> list[Request]:
         return [*self.running, *self.waiting]
 
-    def _make_room(self, req: Request, new_num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Preempt the newest running requests until `req` can grow; False if `req` itself went."""
-        while not self.cache.can_grow(req.request_id, new_num_tokens):
+    def _grow(self, req: Request, new_num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Grows `req` to new_num_tokens, preempting the newest running requests until it fits;
+        False if `req` itself went."""
+        while not self.cache.try_grow(req.request_id, new_num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             batch.preempted.append(victim)

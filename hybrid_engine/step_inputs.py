@@ -13,7 +13,8 @@ Steady state: when a step decodes exactly the requests of the last step, in the 
 one token each (plain decode), only what changed is written: the new tokens, positions,
 lengths and KV slots moved up by one in place, a block-table entry for a request that
 entered a new block, and one column of the attention keys (each row's new key made visible;
-PagedKeys' tails re-read the first key, so nothing else of them changes). The values come
+PagedKeys' tails re-read the first key, so nothing else of them changes) unless the step's
+attention reads no keys (the native CPU kernel: `keyless_query_lens`). The values come
 from the host in one tensor, so the step costs a handful of torch ops whatever the batch.
 Anything else, or a step whose keys get wider, is packed from scratch.
 
@@ -26,7 +27,8 @@ buffers.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +53,7 @@ class Segment:
     is_decode: bool
     samples: bool       # reaches the end of the known tokens, so logits are needed
     # prefix caching: (position, checkpoint entry) its GDN states are captured at (prefill only)
-    captures: list[tuple[int, int]] = field(default_factory=list)
+    captures: Sequence[tuple[int, int]] = ()
 
 
 @dataclass
@@ -65,9 +67,14 @@ class StepInputs:
 
 class StepInputBuilder:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu"):
+                 block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu",
+                 keyless_query_lens: frozenset[int] = frozenset()):
         self.block_size = block_size
         self.k = num_speculative_tokens
+        # Steps whose sequences all have one of these numbers of new tokens get no attention
+        # keys (kernels/attention.py `needs_paged_keys`: the native CPU kernel serves them), and
+        # the steady state then has none to update. Fixed for the engine's life, by its kernels.
+        self.keyless_query_lens = keyless_query_lens
         self.kernels = backend_for(device)     # fixed for the engine's life, handed to every step
         # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers, and
         # an MTP catch-up after prefix hits adds one position per request (the entry at L - 1).
@@ -98,7 +105,7 @@ class StepInputBuilder:
         for req, n in sched.prefills:
             start = req.num_computed_tokens
             segments.append(Segment(req, start, n, row, False, start + n == req.num_tokens,
-                                    sched.captures.get(req.request_id, [])))
+                                    sched.captures.get(req.request_id, ())))
             row += n
         for req in sched.decodes:
             n = 1 + len(req.draft_token_ids)
@@ -112,7 +119,8 @@ class StepInputBuilder:
             self._moving[4, :n].copy_(torch.tensor(blocks, dtype=torch.int64))
             self._moving[3, :n].copy_(inputs.batch.positions % bs)
             keys = inputs.batch.attention.keys
-            self._last_decode = self._steady(inputs, torch.stack([keys.offsets, keys.blocks]), keys.visible)
+            self._last_decode = (self._steady(inputs, torch.stack([keys.offsets, keys.blocks]), keys.visible)
+                                 if keys is not None else _SteadyDecode(inputs, self._moving[:4, :n]))
             inputs = self._last_decode.inputs
         return inputs
 
@@ -151,7 +159,7 @@ class StepInputBuilder:
         if new_blocks:
             old_width = batch.block_tables.shape[1]
             batch = self._enter_blocks(batch, new_blocks)
-            if batch.block_tables.shape[1] > old_width:
+            if batch.block_tables.shape[1] > old_width and last.key_index is not None:
                 # Wider keys: the new columns are tails, which re-read the first key: the
                 # offset and block of column 0 (position 0 is always visible), and hidden.
                 extra = (batch.block_tables.shape[1] - old_width) * bs
@@ -160,9 +168,10 @@ class StepInputBuilder:
                 last = self._last_decode = self._steady(StepInputs(last.inputs.input_ids, batch, segments, []),
                                                         index, visible)
                 batch = last.inputs.batch
-        # Each row's new key, at column = its position: its offset and block, and visible.
-        last.key_index.scatter_(2, last.key_column, last.key_values)
-        last.visible.scatter_(1, last.position, True)
+        if last.key_index is not None:
+            # Each row's new key, at column = its position: its offset and block, and visible.
+            last.key_index.scatter_(2, last.key_column, last.key_values)
+            last.visible.scatter_(1, last.position, True)
         inputs = StepInputs(last.inputs.input_ids, batch, segments, [(s, s.first_row, 1) for s in segments])
         last.inputs = inputs
         return inputs
@@ -247,7 +256,9 @@ class StepInputBuilder:
             state_slots=self.state_slots[:n_seq], has_initial_state=self.has_initial_state[:n_seq],
             state_write_slots=wr, logits_indices=self.logits_indices[:len(logits_rows)],
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_len=decode_len,
-            kernels=self.kernels, attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True),
+            kernels=self.kernels,
+            attention=attention_layout(bt, seq_lens_t, query_lens, bs, slots_valid=True,
+                                       keyless=self.keyless_query_lens),
             decode_rows=DecodeRows.of_lists(read, [write_slots[i:i + decode_len]
                                                    for i in range(0, len(write_slots), decode_len)])
             if n_dec else None,
@@ -304,12 +315,13 @@ class StepInputBuilder:
 
 @dataclass
 class _SteadyDecode:
-    """The last step, when it was plain decode only, and the views the steady state writes."""
+    """The last step, when it was plain decode only, and the views the steady state writes
+    (the key fields None when its attention has no keys: `keyless_query_lens`)."""
 
     inputs: StepInputs
     moving: torch.Tensor        # [4, n]: positions, seq_lens, slot_mapping, offsets in the last block
-    key_index: torch.Tensor     # [2, n, L]: the attention keys' offsets and blocks
-    key_column: torch.Tensor    # [2, n, 1]: each row's position, for both
-    key_values: torch.Tensor    # [2, n, 1]: each row's offset in its last block, and that block
-    visible: torch.Tensor       # [n, L]: the keys' mask
-    position: torch.Tensor      # [n, 1]
+    key_index: torch.Tensor | None = None     # [2, n, L]: the attention keys' offsets and blocks
+    key_column: torch.Tensor | None = None    # [2, n, 1]: each row's position, for both
+    key_values: torch.Tensor | None = None    # [2, n, 1]: each row's offset in its last block, and that block
+    visible: torch.Tensor | None = None       # [n, L]: the keys' mask
+    position: torch.Tensor | None = None      # [n, 1]

@@ -55,6 +55,7 @@ class StepUpdater:
 
     def update(self, step: StepOutput) -> list[RequestOutput]:
         outputs = []
+        now = time.monotonic()          # when this step's tokens arrived, every one of them
         for result in step.results:
             req = result.segment.request
             self._commit(result)
@@ -63,7 +64,7 @@ class StepUpdater:
             new = []
             for tok, lp in zip(result.token_ids, result.logprobs):
                 new.append(tok)
-                if self._append_token(req, tok, lp):
+                if self._append_token(req, tok, lp, now):
                     break
             if not req.is_finished:
                 req.draft_token_ids = step.drafts.get(req.request_id, [])
@@ -90,12 +91,11 @@ class StepUpdater:
         req.spec_stats.record(seg.num_tokens - 1, accepted)
         self.spec_stats.record(seg.num_tokens - 1, accepted)
 
-    def _append_token(self, req: Request, tok: int, logprobs) -> bool:
+    def _append_token(self, req: Request, tok: int, logprobs, now: float) -> bool:
         """Appends one token and applies every stop rule (vLLM's): none fires before min_tokens;
         an EOS or stop token ends the request and, unless include_stop_str_in_output, its text
         stays out of `text`; a stop string cuts the text where it starts (or after it, with
         include_stop_str_in_output); then max_tokens and max_model_len. True when finished."""
-        now = time.monotonic()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.output_token_ids.append(tok)

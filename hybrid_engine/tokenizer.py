@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -67,5 +68,5 @@ def _plain_decode(tokenizer):
     decode itself, and a running request decodes twice per token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return functools.partial(backend.decode, skip_special_tokens=True)     # no Python frame per call
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)

@@ -11,7 +11,7 @@ host) and passes it to every layer, so no layer reads a length back from the dev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,8 @@ class AttentionLayout:
 
     keys: when every sequence has the same number of new tokens (decode, verify, one prefill),
     one PagedKeys for all of them; otherwise None and `groups` holds one QueryGroup per length.
+    Also None, with no groups, for a shared length whose attention reads no keys
+    (`needs_paged_keys`): the caller that knew it left them out.
     slots_valid: no KV slot of the step is negative (no padding rows to skip when writing).
     query_len: that shared number of new tokens (a host int; 0 where they differ or it is not
     known). With it, decode and verify steps on CPU read K and V straight from the blocks
@@ -82,12 +84,20 @@ def paged_keys(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_len: in
                      (key_pos <= q_pos[:, :, None])[:, None])
 
 
+def needs_paged_keys(kv_cache: torch.Tensor, num_heads: int, query_len: int) -> bool:
+    """Whether `paged_attention` reads AttentionLayout.keys for a step whose sequences all have
+    `query_len` new tokens: not where the native kernel serves it (it reads the block tables)."""
+    return not (0 < query_len <= NATIVE_MAX_QUERY_LEN and can_run_native(kv_cache, num_heads, query_len))
+
+
 def attention_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: Sequence[int],
-                     block_size: int, slots_valid: bool) -> AttentionLayout:
-    """The layout of a step whose sequence n has query_lens[n] new tokens (host ints)."""
+                     block_size: int, slots_valid: bool, keyless: Container[int] = ()) -> AttentionLayout:
+    """The layout of a step whose sequence n has query_lens[n] new tokens (host ints).
+    keyless: shared query lengths whose attention needs no keys (`needs_paged_keys`)."""
     if len(set(query_lens)) <= 1:
         q = query_lens[0] if query_lens else 1
-        return AttentionLayout(paged_keys(block_tables, seq_lens, q, block_size), (), slots_valid, q)
+        keys = None if q in keyless else paged_keys(block_tables, seq_lens, q, block_size)
+        return AttentionLayout(keys, (), slots_valid, q)
     starts, groups = [0], {}
     for n, q in enumerate(query_lens):
         starts.append(starts[-1] + q)
@@ -151,14 +161,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         return q.new_empty(q.shape)
     if layout is None:
         layout = layout_of(cu_seqlens_q, block_tables, seq_lens, kv_cache.shape[2])
-    if (layout.keys is not None and 0 < layout.query_len <= NATIVE_MAX_QUERY_LEN
-            and can_run_native(kv_cache, nh, layout.query_len)):
+    if not needs_paged_keys(kv_cache, nh, layout.query_len):       # query_len is 0 where lengths differ
         return paged_attention_op(q, kv_cache, block_tables, seq_lens, scale).to(q.dtype)
-    if layout.keys is not None:
+    keys = layout.keys
+    if keys is None and layout.query_len:
+        # Left out by a caller that expected the native kernel here: made now, for this layer.
+        keys = paged_keys(block_tables, seq_lens, layout.query_len, kv_cache.shape[2])
+    if keys is not None:
         # The query length as the mask has it (not T // N): under torch.compile the mask's size
         # is a symbol of its own, which sdpa must see the queries share.
-        Q = layout.keys.visible.shape[2]
-        return attend_paged(q.view(N, Q, nh, hd), kv_cache, layout.keys, scale).view(T, nh, hd)
+        Q = keys.visible.shape[2]
+        return attend_paged(q.view(N, Q, nh, hd), kv_cache, keys, scale).view(T, nh, hd)
     out = q.new_empty(q.shape)
     for group in layout.groups:
         out[group.tokens] = attend_paged(q[group.tokens], kv_cache, group.keys, scale)

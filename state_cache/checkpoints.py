@@ -39,10 +39,14 @@ class CheckpointPool:
             raise ValueError(f"cannot keep {num_checkpoints} prefix checkpoints")
         self.size = num_checkpoints
         n = num_checkpoints
-        self.conv = [torch.zeros((n, *spec.conv_slot_shape), dtype=spec.conv_dtype, device=device)
-                     for _ in range(spec.num_gdn_layers)]
-        self.recurrent = [torch.zeros((n, *spec.recurrent_slot_shape), dtype=spec.state_dtype, device=device)
-                          for _ in range(spec.num_gdn_layers)]
+        # As the cache's slot pools: one tensor per kind, [layers, entries, ...], so that an
+        # entry is written or read in every layer by one copy.
+        self.conv_layers = torch.zeros((spec.num_gdn_layers, n, *spec.conv_slot_shape),
+                                       dtype=spec.conv_dtype, device=device)
+        self.recurrent_layers = torch.zeros((spec.num_gdn_layers, n, *spec.recurrent_slot_shape),
+                                            dtype=spec.state_dtype, device=device)
+        self.conv = list(self.conv_layers.unbind(0))
+        self.recurrent = list(self.recurrent_layers.unbind(0))
         self.hidden = torch.zeros((n, spec.hidden_size), dtype=spec.kv_dtype, device=device)
         self._free: deque[int] = deque(range(n))
         self._published: OrderedDict[bytes, Checkpoint] = OrderedDict()   # least recently used first

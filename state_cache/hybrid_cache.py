@@ -92,15 +92,16 @@ class HybridCacheManager:
             torch.zeros((num_blocks, *spec.kv_block_shape), dtype=spec.kv_dtype, device=device)
             for _ in range(spec.num_attention_layers)
         ]
-        # Row num_slots of every GDN pool is pad_slot, never handed out.
-        self.conv_states = [
-            torch.zeros((num_slots + 1, *spec.conv_slot_shape), dtype=spec.conv_dtype, device=device)
-            for _ in range(spec.num_gdn_layers)
-        ]
-        self.recurrent_states = [
-            torch.zeros((num_slots + 1, *spec.recurrent_slot_shape), dtype=spec.state_dtype, device=device)
-            for _ in range(spec.num_gdn_layers)
-        ]
+        # Row num_slots of every GDN pool is pad_slot, never handed out. Each kind's pools are
+        # the layers of one tensor [layers, slots, ...] (each layer's a contiguous view): a
+        # slot's state in every layer (a checkpoint saved or loaded, a fork) is one copy, not
+        # one per layer and kind (a decode that crosses a block boundary saves one).
+        self.conv_layers = torch.zeros((spec.num_gdn_layers, num_slots + 1, *spec.conv_slot_shape),
+                                       dtype=spec.conv_dtype, device=device)
+        self.recurrent_layers = torch.zeros((spec.num_gdn_layers, num_slots + 1, *spec.recurrent_slot_shape),
+                                            dtype=spec.state_dtype, device=device)
+        self.conv_states = list(self.conv_layers.unbind(0))
+        self.recurrent_states = list(self.recurrent_layers.unbind(0))
         self._blocks = PrefixBlockPool(num_blocks)
         self.checkpoints = CheckpointPool(spec, num_checkpoints, device)
         self.copy_last_hit_block = copy_last_hit_block
@@ -261,9 +262,8 @@ class HybridCacheManager:
 
     def _load_checkpoint(self, checkpoint: Checkpoint, slot: int) -> None:
         pool = self.checkpoints
-        for conv, rec, ck_conv, ck_rec in zip(self.conv_states, self.recurrent_states, pool.conv, pool.recurrent):
-            conv[slot].copy_(ck_conv[checkpoint.entry])
-            rec[slot].copy_(ck_rec[checkpoint.entry])
+        self.conv_layers.select(1, slot).copy_(pool.conv_layers.select(1, checkpoint.entry))
+        self.recurrent_layers.select(1, slot).copy_(pool.recurrent_layers.select(1, checkpoint.entry))
         pool.touch(checkpoint.key)
 
     def take_hit_hidden(self, request_id: Hashable) -> torch.Tensor | None:
@@ -297,23 +297,35 @@ class HybridCacheManager:
         return max(self.spec.blocks_for(new_num_tokens) - len(cache.block_table), 0)
 
     def can_grow(self, request_id: Hashable, new_num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, new_num_tokens) <= self.num_free_blocks
+        needed = self.blocks_needed(request_id, new_num_tokens)
+        return needed == 0 or needed <= self.num_free_blocks
 
     def grow(self, request_id: Hashable, new_num_tokens: int) -> None:
+        """Room for new_num_tokens tokens (never fewer than it holds)."""
+        if not self.try_grow(request_id, new_num_tokens):
+            raise CacheCapacityError(
+                f"request {request_id!r} needs {self.blocks_needed(request_id, new_num_tokens)} more KV "
+                f"blocks to hold {new_num_tokens} tokens but only {self.num_free_blocks} of "
+                f"{self.num_blocks} are free"
+            )
+
+    def try_grow(self, request_id: Hashable, new_num_tokens: int) -> bool:
+        """`grow` where the blocks it needs are free; False, changing nothing, where not (the
+        scheduler's check and growth in one call: a decode grows every step, and needs a new
+        block once per block_size steps)."""
         cache = self.get(request_id)
         if new_num_tokens < cache.num_tokens:
             raise ValueError(
                 f"request {request_id!r} holds {cache.num_tokens} tokens; grow to "
                 f"{new_num_tokens} would shrink it (use truncate)"
             )
-        needed = self.blocks_needed(request_id, new_num_tokens)
-        if needed > self.num_free_blocks:
-            raise CacheCapacityError(
-                f"request {request_id!r} needs {needed} more KV blocks to hold {new_num_tokens} "
-                f"tokens but only {self.num_free_blocks} of {self.num_blocks} are free"
-            )
-        cache.block_table.extend(self._blocks.allocate(needed))
+        needed = self.spec.blocks_for(new_num_tokens) - len(cache.block_table)
+        if needed > 0:
+            if needed > self.num_free_blocks:
+                return False
+            cache.block_table.extend(self._blocks.allocate(needed))
         cache.num_tokens = new_num_tokens
+        return True
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> None:
         """Shrink what the request holds to num_tokens tokens; frees the tail blocks."""
@@ -389,9 +401,8 @@ class HybridCacheManager:
         if checkpoint is None:
             return False
         pool, entry = self.checkpoints, checkpoint.entry
-        for conv, rec, ck_conv, ck_rec in zip(self.conv_states, self.recurrent_states, pool.conv, pool.recurrent):
-            ck_conv[entry].copy_(conv[source_slot])
-            ck_rec[entry].copy_(rec[source_slot])
+        pool.conv_layers.select(1, entry).copy_(self.conv_layers.select(1, source_slot))
+        pool.recurrent_layers.select(1, entry).copy_(self.recurrent_layers.select(1, source_slot))
         if hidden is not None and self.spec.hidden_size:
             pool.hidden[entry].copy_(hidden)
         return True
@@ -471,8 +482,8 @@ class HybridCacheManager:
             for kv in self.kv_caches:
                 kv.index_copy_(0, new, kv.index_select(0, old))
         slot, *draft_slots = self._slots.allocate(1 + num_draft_slots)
-        for pool in (*self.conv_states, *self.recurrent_states):
-            pool[slot].copy_(pool[src.slot])
+        for layers in (self.conv_layers, self.recurrent_layers):
+            layers.select(1, slot).copy_(layers.select(1, src.slot))
         dst = RequestCache(shared + copied, slot, draft_slots, num_tokens, num_committed_tokens=num_tokens,
                            num_cached_blocks=len(shared))
         self._requests[dst_request_id] = dst

@@ -21,6 +21,7 @@ from hybrid_engine.kernels import (
     rope_cos_sin,
     write_kv_cache,
 )
+from hybrid_engine.kernels import attention as attention_module
 from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
 from hybrid_engine.kernels.gdn import recurrent as recurrent_module
 from hybrid_engine.kernels.slot_pool import DecodeRows
@@ -352,6 +353,22 @@ def test_paged_attention_batched_path_matches_per_sequence(block_size, qlen):
         s = slice(cu[n], cu[n + 1])
         o_n = paged_attention(q[s], kv_cache, bt[n:n + 1], make_cu([qlen]), seq_lens[n:n + 1], scale=0.3)
         torch.testing.assert_close(o[s], o_n, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native_allowed", [True, False])
+@pytest.mark.parametrize("block_size, qlen", [(16, 1), (4, 3)])
+def test_paged_attention_without_keys_matches_with_them(block_size, qlen, native_allowed, monkeypatch):
+    """A layout whose keys were left out (its caller expected the native kernel) gives what the
+    full layout gives: through the kernel where it runs, with keys made in the layer where not."""
+    if not native_allowed:
+        monkeypatch.setattr(attention_module, "can_run_native", lambda *a: False)
+    q, kv_cache, bt, cu, seq_lens, keys, values = _paged_setup(block_size, [0, 20, 47, 5], [qlen] * 4, seed=24)
+    full = attention_layout(bt, seq_lens, [qlen] * 4, block_size, slots_valid=True)
+    keyless = attention_layout(bt, seq_lens, [qlen] * 4, block_size, slots_valid=True, keyless={qlen})
+    assert full.keys is not None and keyless.keys is None and keyless.query_len == qlen
+    o = paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, keyless)
+    torch.testing.assert_close(o, paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, full), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
 
 

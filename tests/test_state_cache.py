@@ -279,6 +279,22 @@ class CacheMachine(RuleBasedStateMachine):
             self.refused(CacheCapacityError, lambda: self.m.grow(rid, new))
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(0, 12))
+    def try_grow(self, data, extra):
+        """The scheduler's verb: grow where can_grow says it fits, else False and no change."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
+        new = self.tokens[rid] + extra
+        prefix, fits = list(self.m.get(rid).block_table), self.m.can_grow(rid, new)
+        before = snapshot(self.m, REQUEST_IDS)
+        assert self.m.try_grow(rid, new) == fits
+        if fits:
+            assert self.m.get(rid).block_table[: len(prefix)] == prefix
+            assert len(self.m.get(rid).block_table) == self.m.spec.blocks_for(new)
+            self.tokens[rid] = new
+        else:
+            assert snapshot(self.m, REQUEST_IDS) == before
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def truncate(self, data):
         rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))

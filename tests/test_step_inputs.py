@@ -24,9 +24,15 @@ def ckpt(tmp_path_factory):
     return str(folder)
 
 
-def _engine(ckpt, **kw):
-    return LLMEngine(EngineConfig(model=ckpt, dtype="float32", block_size=4, max_num_seqs=6,
-                                  max_num_batched_tokens=64, **kw))
+def _engine(ckpt, keyless=None, **kw):
+    """keyless: the builder's keyless_query_lens, whatever the engine chose for this machine's
+    kernels (frozenset(): the steady state updates the attention keys; {1}: it has none, and
+    where no native kernel runs the layers make them)."""
+    engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", block_size=4, max_num_seqs=6,
+                                    max_num_batched_tokens=64, **kw))
+    if keyless is not None:
+        engine.builder.keyless_query_lens = keyless
+    return engine
 
 
 def _assert_same_inputs(got, want):
@@ -53,7 +59,8 @@ def _check_every_build(engine) -> list[int]:
     """Makes every build compare its inputs with a pack from scratch into fresh buffers;
     -> a counter of steps that took the steady-state path."""
     b = engine.builder
-    fresh = StepInputBuilder(b.input_ids.numel(), b.seq_lens.numel(), b.block_tables.shape[1], b.block_size)
+    fresh = StepInputBuilder(b.input_ids.numel(), b.seq_lens.numel(), b.block_tables.shape[1], b.block_size,
+                             keyless_query_lens=b.keyless_query_lens)
     fresh.kernels = b.kernels
     build, num_steady = b.build, [0]
 
@@ -68,9 +75,13 @@ def _check_every_build(engine) -> list[int]:
     return num_steady
 
 
-def test_steady_state_decode_inputs_equal_a_fresh_pack(ckpt):
+KEYLESS = [frozenset(), frozenset({1})]
+
+
+@pytest.mark.parametrize("keyless", KEYLESS)
+def test_steady_state_decode_inputs_equal_a_fresh_pack(ckpt, keyless):
     """Arrivals, finishes at different lengths, an abort and block boundaries every 4 tokens."""
-    engine = _engine(ckpt)
+    engine = _engine(ckpt, keyless)
     num_steady = _check_every_build(engine)
     rng = random.Random(0)
     arrivals = {0: 3, 1: 1, 9: 2, 30: 1}
@@ -88,11 +99,12 @@ def test_steady_state_decode_inputs_equal_a_fresh_pack(ckpt):
     assert done == 6 and num_steady[0] > 20
 
 
-def test_steady_state_widening_clears_stale_block_table_columns(ckpt):
+@pytest.mark.parametrize("keyless", KEYLESS)
+def test_steady_state_widening_clears_stale_block_table_columns(ckpt, keyless):
     """A (row 1, 6 blocks) finishes; C takes row 1 and B, in row 0, then enters its third block
     in place: row 1's third column must read 0, not A's block. Without prefix caching: A and B
     share a block, where caching would end A's prefill chunk and change the steps traced here."""
-    engine = _engine(ckpt, enable_prefix_caching=False)
+    engine = _engine(ckpt, keyless, enable_prefix_caching=False)
     num_steady = _check_every_build(engine)
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.add_request(list(range(6)), SamplingParams(max_tokens=8, **greedy), request_id="B")
@@ -104,6 +116,29 @@ def test_steady_state_widening_clears_stale_block_table_columns(ckpt):
         widths.append(engine.builder._last_decode.inputs.batch.block_tables.shape[1]
                       if engine.builder._last_decode is not None else None)
     assert widths[2:4] == [2, 3] and num_steady[0] > 0
+
+
+def test_decode_steps_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
+    """The engine leaves the keys out of plain decode steps where the native kernel serves every
+    attention layer (and keeps them where not), with the tokens of a run that keeps them."""
+    from hybrid_engine.kernels.attention import needs_paged_keys
+    tokens, keys_seen = {}, {}
+    for keyless in (None, frozenset()):
+        engine = _engine(ckpt, keyless)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        ids = [engine.add_request([3, 1, 4, 1, 5][:n], params) for n in (2, 5)]
+        keys_seen[keyless] = set()
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o.token_ids) for o in engine.step())
+            if engine.builder._last_decode is not None:
+                keys_seen[keyless].add(engine.builder._last_decode.inputs.batch.attention.keys is not None)
+        tokens[keyless] = [outs[i] for i in ids]
+        if keyless is None:
+            native = not needs_paged_keys(engine.cache.kv_caches[0], engine.model_config.num_attention_heads, 1)
+            assert engine.builder.keyless_query_lens == (frozenset({1}) if native else frozenset())
+    assert keys_seen == {None: {not native}, frozenset(): {True}}
+    assert tokens[None] == tokens[frozenset()]
 
 
 def test_earlier_outputs_do_not_change(ckpt):
