@@ -110,10 +110,16 @@ def _own_code(method):
 
 
 def _inductor(freeze: bool):
-    """Inductor, with freezing on or off for the graphs it compiles (a config patch around the
-    compile itself: nothing is set on the calls that replay a graph)."""
+    """Inductor, with freezing on or off and its C++ wrapper, for the graphs it compiles (a
+    config patch around the compile itself: nothing is set on the calls that replay a graph).
+
+    The C++ wrapper: a graph's own code, which calls its fused loops and extern kernels (about
+    40 products and graph ops per default-model step), allocates and reinterprets buffers and
+    checks input sizes, is compiled C++ instead of Python (about 230 fewer C calls from the
+    interpreter per step: a few hundred Python statements of ~1 us each against a step of ~1 ms).
+    Graph ops are called through the dispatcher from C++ (kernels/cpu/graph_op.py)."""
     def backend(graph, example_inputs):
-        with inductor_config.patch(freezing=freeze):
+        with inductor_config.patch(freezing=freeze, cpp_wrapper=True):
             return compile_fx(graph, example_inputs)
     return backend
 
