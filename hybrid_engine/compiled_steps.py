@@ -3,8 +3,10 @@
 On CPU a decode step of a small model is hundreds of small torch ops (norms, gates, the GDN
 state update, conv taps, rope), each costing a few microseconds of dispatch for very little
 arithmetic. Inductor fuses them into a few C++ loops around the matmuls, which roughly halves
-a step of the default model. What it costs: compiling at the first steps of each kind (tens of
-seconds per graph on a 2-core machine; inductor caches them on disk across processes).
+a step of the default model, and its C++ wrapper runs the graph's own glue code (buffers, size
+checks, the extern calls) without the interpreter, so a step runs no Python per layer. What
+it costs: compiling at the first steps of each kind (tens of seconds per graph on a 2-core
+machine, the wrapper's C++ included; inductor caches them on disk across processes).
 
 What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
 decode_len k+1) and the MTP drafter's decode-sized passes (spec_decode/mtp_drafter.py), never
