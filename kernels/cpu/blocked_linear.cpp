@@ -96,13 +96,18 @@ struct WidenedBF16 : F32 {
   static inline X pack_x(const uint16_t* row, int K, int k) { return simd::bits_to_float((uint32_t)row[k] << 16); }
 };
 
-// Blocks of W per tile for M rows. One-register W vectors on AVX-512: 1x4 and 2x4 for one or two
-// rows (four independent chains hide the FMA latency), 8x2 up to 8 rows, 8x3 passes for more (as
-// measured). Otherwise the widest tile whose accumulators (MR x NR x VB), W vectors and x
-// broadcast fit the registers.
+// Blocks of W per tile for M rows. Up to 4 rows (decode, MTP verify) the product is bound by
+// memory, not by registers: 4 blocks per tile (AVX2: 3 from 3 rows on) keep more streams of W in
+// flight, even where AVX2's accumulators then spill to L1 (measured at 0.8B shapes, 1 thread,
+// against the register rule below: AVX2 bf16 +10-17% at 1 row, +25-50% at 2, +20-35% at 3-4;
+// AVX2 float32 +0-5% at 1 row, +25-40% at 3-4; AVX-512 at 3-4 rows +5-15%). Beyond that, with
+// one-register W vectors on AVX-512: 8x2 up to 8 rows, 8x3 passes for more (as measured);
+// otherwise the widest tile whose accumulators (MR x NR x VB), W vectors and x broadcast fit
+// the registers.
 template <typename T>
 static int blocks_per_tile(int M) {
-  if (simd::W == 16 && T::REGS_PER_WV == 1) return M <= 2 ? 4 : (M <= 8 ? 2 : 3);
+  if (M <= 4) return simd::W == 8 && M >= 3 ? 3 : 4;
+  if (simd::W == 16 && T::REGS_PER_WV == 1) return M <= 8 ? 2 : 3;
   const int rows = M < PANEL ? M : PANEL;
   for (int nr = 4; nr > 1; nr--)
     if (rows * nr * VB + nr * VB * T::REGS_PER_WV + 2 <= simd::REGISTERS) return nr;
