@@ -18,7 +18,7 @@ Layouts, by what the process's level allows (kernels/cpu/isa.py):
   every product runs in the hand-written kernel: at 1 row it streams as fast as MKL's GEMV
   (1.0-1.1x), at 4 rows (MTP verify) 1.7-1.9x MKL, at 16 rows 1.4-1.5x MKL's best form, at 512
   rows on par (AVX-512 measurements). bf16 W is blocked too where oneDNN may not pack it (AVX2:
-  torch's bf16 matmul has no fast path there, the kernel widens bf16 in registers). One copy
+  torch's bf16 matmul has no fast path there; see Widening below). One copy
   of the weights replaces the plain one.
 
 - Widening (bf16 where neither oneDNN packs it nor the level has a bf16 dot product: AVX2): the
