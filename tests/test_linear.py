@@ -14,7 +14,7 @@ from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_line
 from hybrid_engine.kernels.cpu import projection as projection_mod
 from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
 from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
-                                                  choose_projection, plain_linear)
+                                                  WideningProjection, choose_projection, plain_linear)
 from hybrid_engine.models.linear import linear, prepare_projections
 
 needs_native = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
@@ -43,7 +43,9 @@ def expected_layout(dtype: torch.dtype, onednn: bool, few_rows_copy: bool) -> ty
     if dtype == torch.float32:
         return BlockedProjection if native_available() else PlainProjection
     if not onednn_packs(dtype):
-        return BlockedProjection if native_available() and dtype == torch.bfloat16 else PlainProjection
+        if not (native_available() and dtype == torch.bfloat16):
+            return PlainProjection
+        return BlockedProjection if at_least("avx512_bf16") else WideningProjection
     if few_rows_copy and dtype == torch.bfloat16 and native_available():
         return FewRowsSplit
     return OneDNNProjection if onednn else PlainProjection
@@ -115,6 +117,46 @@ def test_blocked_bfloat16_matches_f_linear(rows, n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 40, 100])
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 37), (80, 128), (336, 40)])  # every tile width, odd K
+def test_blocked_bfloat16_widened_matches_f_linear_and_the_register_form(rows, n, k):
+    """widen=True: W's tiles widened to float32 once per call, float32 tiles. Against F.linear in
+    float32 of the bf16 values (one rounding at the end); where the level has no bf16 dot
+    product the register form runs the same FMAs in the same order: bitwise equal there."""
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    wb = block_weight(w)
+    out = blocked_linear(x, wb, widen=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    exact = F.linear(x.float(), w.float())
+    torch.testing.assert_close(out.float(), exact, rtol=4e-3, atol=1e-3)
+    torch.testing.assert_close(out, blocked_linear_reference(x, wb), rtol=4e-3, atol=1e-3)
+    if not at_least("avx512_bf16"):
+        assert torch.equal(out, blocked_linear(x, wb))
+    with pytest.raises(ValueError, match="for bfloat16 weights"):
+        blocked_linear(x.float(), block_weight(w.float()), widen=True)
+
+
+@needs_native
+@pytest.mark.skipif(at_least("avx512_bf16"), reason="the level has a bf16 dot product: bf16 weights never widen")
+@pytest.mark.parametrize("rows", [1, 15, 16, 64])
+def test_widening_projection_widens_from_its_row_threshold(block_every_size, monkeypatch, rows):
+    w = torch.randn(48, 64).bfloat16()
+    proj = choose_projection(w)
+    assert type(proj) is (WideningProjection if not onednn_packs(torch.bfloat16) else FewRowsSplit)
+    if not isinstance(proj, WideningProjection):
+        return          # avx512 without BF16: oneDNN takes many rows (the test above covers the kernel)
+    widened = []
+    monkeypatch.setattr(projection_mod, "blocked_linear",
+                        lambda x, wb, widen=False: widened.append(widen) or blocked_linear(x, wb, widen))
+    x = torch.randn(rows, 64).bfloat16()
+    torch.testing.assert_close(proj(x).float(), F.linear(x.float(), w.float()), rtol=4e-3, atol=1e-3)
+    assert widened == [rows >= projection_mod.WIDEN_MIN_ROWS]
+    assert proj.replaces_weight
+
+
+@needs_native
 def test_blocked_linear_keeps_leading_dims_and_checks_its_input():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 24, generator=g)
@@ -135,6 +177,11 @@ def test_blocked_linear_under_torch_compile():
     for rows in (1, 5, 12):
         x = torch.randn(rows, 40, generator=g)
         torch.testing.assert_close(f(x), torch.relu(F.linear(x, w)) * 2, rtol=1e-5, atol=1e-5)
+    wb16 = block_weight(w.bfloat16())      # the widened bf16 form goes through the graph op too
+    f16 = torch.compile(lambda x: torch.relu(blocked_linear(x, wb16, widen=True)) * 2, dynamic=True)
+    for rows in (1, 20):
+        x = torch.randn(rows, 40, generator=g).bfloat16()
+        torch.testing.assert_close(f16(x), torch.relu(blocked_linear(x, wb16, widen=True)) * 2, rtol=0, atol=0)
 
 
 @needs_native

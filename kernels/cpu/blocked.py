@@ -6,6 +6,10 @@ float32 W_blocked [N/16, K, 16] (block b holds columns 16b..16b+15 of W^T); bflo
 of k, [N/16, ceil(K/2), 16, 2], the layout AVX512-BF16's dot product reads (odd K padded). The
 layout is the same at every level of kernels/cpu/isa.py: only the kernel's vector width changes.
 
+`widen=True` (bf16 W): the kernel widens W's tiles to float32 once per call and runs its float32
+tiles, for many rows of x where the level has no bf16 dot product (AVX2); the same float32 FMAs
+in the same order as the default form, so the same results.
+
 The kernel is built on first use for the process's level (kernels/cpu/build.py) and called
 through ctypes. Where it cannot be built or run (level `none`, no compiler) `native_available()`
 is False and callers keep their unblocked weights.
@@ -63,33 +67,38 @@ def native_available() -> bool:
     return _library() is not None
 
 
-def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] with the native kernel (`native_available()` must hold)."""
+def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] with the native kernel (`native_available()` must hold);
+    widen: bf16 only, W's tiles widened to float32 once per call (see the module docstring)."""
     if torch.compiler.is_compiling():
-        return _blocked_linear_op(x, w_blocked)
-    return _blocked_linear_native(x, w_blocked)
+        return _blocked_linear_op(x, w_blocked, widen)
+    return _blocked_linear_native(x, w_blocked, widen)
 
 
-def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor) -> torch.Tensor:
+def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool = False) -> torch.Tensor:
     nb, steps = w_blocked.shape[:2]
     k = x.shape[-1]
     pairs = w_blocked.dim() == 4
     if x.dtype != w_blocked.dtype or steps != ((k + 1) // 2 if pairs else k):
         raise ValueError(f"blocked_linear: x {tuple(x.shape)} {x.dtype} does not fit a blocked "
                          f"weight {tuple(w_blocked.shape)} {w_blocked.dtype}")
+    if widen and not pairs:
+        raise ValueError("blocked_linear: widen=True is for bfloat16 weights")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     y = torch.empty(m, nb * BLOCK, dtype=x.dtype)
     if m:
-        fn = _library().blocked_linear_f32 if x.dtype == torch.float32 else _library().blocked_linear_bf16
+        lib = _library()
+        fn = (lib.blocked_linear_f32 if not pairs else
+              lib.blocked_linear_bf16_widened if widen else lib.blocked_linear_bf16)
         fn(x2.data_ptr(), w_blocked.data_ptr(), y.data_ptr(), m, nb * BLOCK, k, torch.get_num_threads())
     return y.reshape(*lead, nb * BLOCK)
 
 
 _blocked_linear_op = define_graph_op(
-    "blocked_linear(Tensor x, Tensor w_blocked) -> Tensor", _blocked_linear_native,
-    lambda x, w_blocked: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK))
+    "blocked_linear(Tensor x, Tensor w_blocked, bool widen=False) -> Tensor", _blocked_linear_native,
+    lambda x, w_blocked, widen=False: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK))
 
 
 # ---- loading the kernel ------------------------------------------------------------------------
@@ -99,6 +108,6 @@ def _library() -> ctypes.CDLL | None:
     lib = load_library(SOURCE)
     if lib is not None:
         args = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        for fn in (lib.blocked_linear_f32, lib.blocked_linear_bf16):
+        for fn in (lib.blocked_linear_f32, lib.blocked_linear_bf16, lib.blocked_linear_bf16_widened):
             fn.argtypes, fn.restype = args, ctypes.c_int
     return lib

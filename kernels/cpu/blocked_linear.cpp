@@ -21,6 +21,13 @@
 // even) at the end. With vdpbf16ps, faster than oneDNN's AMX kernel at 1-4 rows (26-28 vs 18-20
 // GB/s at 0.8B shapes), slower from 8-16 rows on, so callers keep oneDNN for more rows where
 // they have it.
+// bfloat16, widened (`blocked_linear_bf16_widened`): for many rows of x where the level has no
+// bf16 dot product (AVX2). Widening in registers costs two ALU ops beside every FMA pair, and the
+// broadcasts of x two more: at 512 rows 1.5-1.8x slower than float32. Instead each thread widens
+// the group of blocks it works on into a float32 buffer of its own once per call ([NR][K][16],
+// at most ~1 MB: it stays in L2 across all panels of x) and runs the float32 tiles on it, x
+// widened once into float32 panels. The same float32 FMAs in the same k order as the register
+// form: identical results, at about float32's speed (the widening is O(N K), the product O(M N K)).
 // N is a multiple of 16 (the caller blocks whole columns only).
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +45,7 @@ constexpr int PANEL = simd::W == 16 ? 8 : 4;  // rows of x per pass
 struct F32 {
   using W = float;
   using X = float;
+  using Y = float;
   using WV = simd::F;
   using XB = simd::F;
   static constexpr int K_PER_STEP = 1;
@@ -51,6 +59,7 @@ struct F32 {
 struct BF16 {
   using W = uint16_t;
   using X = uint32_t;                       // two bf16 of x: k (low half) and k+1
+  using Y = uint16_t;
   static constexpr int K_PER_STEP = 2;
 #ifdef __AVX512BF16__
   using WV = __m512i;
@@ -80,14 +89,25 @@ struct BF16 {
     return lo | (hi << 16);
   }
 };
+// The widened bfloat16 form: float32 tiles on W widened into a buffer, y rounded to bf16.
+struct WidenedBF16 : F32 {
+  using Y = uint16_t;
+  static inline void store(uint16_t* y, simd::F v) { simd::store_bf16(y, v); }
+  static inline X pack_x(const uint16_t* row, int K, int k) { return simd::bits_to_float((uint32_t)row[k] << 16); }
+};
 
-// Blocks of W per tile for M rows. One-register W vectors on AVX-512: 1x4 and 2x4 for one or two
-// rows (four independent chains hide the FMA latency), 8x2 up to 8 rows, 8x3 passes for more (as
-// measured). Otherwise the widest tile whose accumulators (MR x NR x VB), W vectors and x
-// broadcast fit the registers.
+// Blocks of W per tile for M rows. Up to 4 rows (decode, MTP verify) the product is bound by
+// memory, not by registers: 4 blocks per tile (AVX2: 3 from 3 rows on) keep more streams of W in
+// flight, even where AVX2's accumulators then spill to L1 (measured at 0.8B shapes, 1 thread,
+// against the register rule below: AVX2 bf16 +10-17% at 1 row, +25-50% at 2, +20-35% at 3-4;
+// AVX2 float32 +0-5% at 1 row, +25-40% at 3-4; AVX-512 at 3-4 rows +5-15%). Beyond that, with
+// one-register W vectors on AVX-512: 8x2 up to 8 rows, 8x3 passes for more (as measured);
+// otherwise the widest tile whose accumulators (MR x NR x VB), W vectors and x broadcast fit
+// the registers.
 template <typename T>
 static int blocks_per_tile(int M) {
-  if (simd::W == 16 && T::REGS_PER_WV == 1) return M <= 2 ? 4 : (M <= 8 ? 2 : 3);
+  if (M <= 4) return simd::W == 8 && M >= 3 ? 3 : 4;
+  if (simd::W == 16 && T::REGS_PER_WV == 1) return M <= 8 ? 2 : 3;
   const int rows = M < PANEL ? M : PANEL;
   for (int nr = 4; nr > 1; nr--)
     if (rows * nr * VB + nr * VB * T::REGS_PER_WV + 2 <= simd::REGISTERS) return nr;
@@ -98,7 +118,7 @@ static int blocks_per_tile(int M) {
 // w ([NR][steps][64 bytes]); writes y rows (row stride N) from column n0.
 template <int MR, int NR, typename T>
 static inline void tile(const typename T::X* xp, const typename T::W* w, int steps,
-                        typename T::W* y, int N, int n0, int rows) {
+                        typename T::Y* y, int N, int n0, int rows) {
   constexpr int LANE = 16 * T::K_PER_STEP;   // elements of W per block and step (64 bytes)
   constexpr int PER_VECTOR = LANE / VB;
   simd::F acc[MR][NR * VB];
@@ -126,7 +146,7 @@ static inline void tile(const typename T::X* xp, const typename T::W* w, int ste
 
 template <int NR, typename T>
 static inline void tile_rows(int rows, const typename T::X* xp, const typename T::W* w, int steps,
-                             typename T::W* y, int N, int n0) {
+                             typename T::Y* y, int N, int n0) {
   switch (rows) {
     case 1: tile<1, NR, T>(xp, w, steps, y, N, n0, rows); return;
     case 2: tile<2, NR, T>(xp, w, steps, y, N, n0, rows); return;
@@ -143,11 +163,10 @@ static inline void tile_rows(int rows, const typename T::X* xp, const typename T
   tile<PANEL, NR, T>(xp, w, steps, y, N, n0, rows);
 }
 
-template <typename T>
-static void blocked_linear(const typename T::W* x, const typename T::W* w, typename T::W* y,
-                           int M, int N, int K, int num_threads) {
+// x [M][K] (float32 or bf16 rows) -> panels [ceil(M/PANEL)][steps][PANEL] of T::X (aligned_alloc'd)
+template <typename T, typename XIn>
+static typename T::X* pack_panels(const XIn* x, int M, int K, int steps) {
   using X = typename T::X;
-  const int steps = (K + T::K_PER_STEP - 1) / T::K_PER_STEP;
   const int panels = (M + PANEL - 1) / PANEL;
   X* xp = (X*)aligned_alloc(64, ((size_t)panels * steps * PANEL * sizeof(X) + 63) / 64 * 64);
   for (int p = 0; p < panels; p++)
@@ -156,6 +175,30 @@ static void blocked_linear(const typename T::W* x, const typename T::W* w, typen
         int m = p * PANEL + r;
         xp[((size_t)p * steps + k) * PANEL + r] = m < M ? T::pack_x(x + (size_t)m * K, K, k) : X(0);
       }
+  return xp;
+}
+
+// Every panel of x against one group of nb <= 4 blocks of W (wg: [nb][steps][64 bytes]).
+template <typename T>
+static void group_product(int nb, const typename T::X* xp, const typename T::W* wg, int steps,
+                          typename T::Y* y, int M, int N, int n0) {
+  const int panels = (M + PANEL - 1) / PANEL;
+  for (int p = 0; p < panels; p++) {
+    const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
+    const typename T::X* xs = xp + (size_t)p * steps * PANEL;
+    typename T::Y* ys = y + (size_t)p * PANEL * N;
+    if (nb == 4) tile_rows<4, T>(rows, xs, wg, steps, ys, N, n0);
+    else if (nb == 3) tile_rows<3, T>(rows, xs, wg, steps, ys, N, n0);
+    else if (nb == 2) tile_rows<2, T>(rows, xs, wg, steps, ys, N, n0);
+    else tile_rows<1, T>(rows, xs, wg, steps, ys, N, n0);
+  }
+}
+
+template <typename T>
+static void blocked_linear(const typename T::W* x, const typename T::W* w, typename T::W* y,
+                           int M, int N, int K, int num_threads) {
+  const int steps = (K + T::K_PER_STEP - 1) / T::K_PER_STEP;
+  typename T::X* xp = pack_panels<T>(x, M, K, steps);
   const int blocks = N / 16;
   const int NR = blocks_per_tile<T>(M);
   const int groups = (blocks + NR - 1) / NR;
@@ -164,16 +207,44 @@ static void blocked_linear(const typename T::W* x, const typename T::W* w, typen
   for (int g = 0; g < groups; g++) {
     const int b0 = g * NR;
     const int nb = blocks - b0 < NR ? blocks - b0 : NR;
-    const typename T::W* wg = w + (size_t)b0 * steps * LANE;
-    for (int p = 0; p < panels; p++) {
-      const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
-      const X* xs = xp + (size_t)p * steps * PANEL;
-      typename T::W* ys = y + (size_t)p * PANEL * N;
-      if (nb == 4) tile_rows<4, T>(rows, xs, wg, steps, ys, N, b0 * 16);
-      else if (nb == 3) tile_rows<3, T>(rows, xs, wg, steps, ys, N, b0 * 16);
-      else if (nb == 2) tile_rows<2, T>(rows, xs, wg, steps, ys, N, b0 * 16);
-      else tile_rows<1, T>(rows, xs, wg, steps, ys, N, b0 * 16);
+    group_product<T>(nb, xp, w + (size_t)b0 * steps * LANE, steps, y, M, N, b0 * 16);
+  }
+  free(xp);
+}
+
+// nb blocks of bf16 pairs [nb][ceil(K/2)][16][2] -> float32 [nb][K][16] (the padded k dropped)
+static void widen_blocks(const uint16_t* w, float* out, int nb, int K) {
+  const int steps = (K + 1) / 2;
+  for (int j = 0; j < nb; j++)
+    for (int k2 = 0; k2 < steps; k2++) {
+      const uint16_t* src = w + ((size_t)j * steps + k2) * 32;
+      float* even = out + ((size_t)j * K + 2 * k2) * 16;
+      for (int v = 0; v < VB; v++) {
+        const simd::I pairs = simd::load_bits(src + v * 2 * simd::W);
+        simd::store(even + v * simd::W, simd::low_bf16(pairs));
+        if (2 * k2 + 1 < K) simd::store(even + 16 + v * simd::W, simd::high_bf16(pairs));
+      }
     }
+}
+
+static void blocked_linear_widened(const uint16_t* x, const uint16_t* w, uint16_t* y,
+                                   int M, int N, int K, int num_threads) {
+  float* xp = pack_panels<WidenedBF16>(x, M, K, K);
+  const int blocks = N / 16;
+  const int NR = blocks_per_tile<WidenedBF16>(M);
+  const int groups = (blocks + NR - 1) / NR;
+  const size_t pair_steps = (K + 1) / 2;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* wf = (float*)aligned_alloc(64, ((size_t)NR * K * 16 * sizeof(float) + 63) / 64 * 64);
+#pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) {
+      const int b0 = g * NR;
+      const int nb = blocks - b0 < NR ? blocks - b0 : NR;
+      widen_blocks(w + (size_t)b0 * pair_steps * 32, wf, nb, K);
+      group_product<WidenedBF16>(nb, xp, wf, K, y, M, N, b0 * 16);
+    }
+    free(wf);
   }
   free(xp);
 }
@@ -185,6 +256,10 @@ int blocked_linear_f32(const float* x, const float* w, float* y, int M, int N, i
 }
 int blocked_linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K, int threads) {
   blocked_linear<BF16>(x, w, y, M, N, K, threads);
+  return 0;
+}
+int blocked_linear_bf16_widened(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K, int threads) {
+  blocked_linear_widened(x, w, y, M, N, K, threads);
   return 0;
 }
 }

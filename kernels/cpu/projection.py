@@ -18,8 +18,15 @@ Layouts, by what the process's level allows (kernels/cpu/isa.py):
   every product runs in the hand-written kernel: at 1 row it streams as fast as MKL's GEMV
   (1.0-1.1x), at 4 rows (MTP verify) 1.7-1.9x MKL, at 16 rows 1.4-1.5x MKL's best form, at 512
   rows on par (AVX-512 measurements). bf16 W is blocked too where oneDNN may not pack it (AVX2:
-  torch's bf16 matmul has no fast path there, the kernel widens bf16 in registers). One copy
+  torch's bf16 matmul has no fast path there; see Widening below). One copy
   of the weights replaces the plain one.
+
+- Widening (bf16 where neither oneDNN packs it nor the level has a bf16 dot product: AVX2): the
+  blocked bf16 weight, one copy. Few rows widen W in registers (the product is bound by memory,
+  the extra ops are free); from WIDEN_MIN_ROWS rows on (prefill, big batches) the kernel widens
+  W's tiles to float32 once per call and runs its float32 tiles, which widening in registers
+  (two more ALU ops per FMA pair) leaves 1.4-1.6x behind from 32-512 rows (measured at AVX2,
+  0.8B shapes: crossover at 12 rows, 2x slower at 1 row). Same FMAs, same order: same results.
 
 - oneDNN-packed (bf16 / fp16 where `onednn_packs`): PyTorch's plain bf16 matmul converts as it
   goes and reaches about 2/3 of the bandwidth oneDNN gets from a weight reordered once into its
@@ -42,11 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from .blocked import BLOCK, block_weight, blocked_linear, can_block
-from .isa import onednn_packs
+from .isa import at_least, onednn_packs
 
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
 BLOCKED_MIN_BYTES = 1 << 20         # smaller weights stay plain (see the module docstring)
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
+WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,6 +105,15 @@ class BlockedProjection(Projection):
         return picked.reshape(ids.shape[0], -1)[:, :self.in_features]
 
 
+class WideningProjection(BlockedProjection):
+    """A blocked bf16 weight at a level without a bf16 dot product: WIDEN_MIN_ROWS rows or more
+    take the kernel's widened-tile form (the module docstring)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return blocked_linear(x, self.blocked, widen=rows >= WIDEN_MIN_ROWS)
+
+
 class OneDNNProjection(Projection):
     def __init__(self, weight: torch.Tensor):
         # batch-size hint 1: decode; batched and prefill shapes measured no slower than plain
@@ -130,7 +147,9 @@ def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: 
     if weight.dtype == torch.float32:
         return BlockedProjection(weight) if blockable else PlainProjection(weight)
     if not onednn_packs(weight.dtype):
-        return BlockedProjection(weight) if blockable and weight.dtype == torch.bfloat16 else PlainProjection(weight)
+        if not (blockable and weight.dtype == torch.bfloat16):
+            return PlainProjection(weight)
+        return BlockedProjection(weight) if at_least("avx512_bf16") else WideningProjection(weight)
     many = OneDNNProjection(weight) if onednn else PlainProjection(weight)
     if few_rows_copy and blockable and weight.dtype == torch.bfloat16:
         return FewRowsSplit(many, BlockedProjection(weight))
