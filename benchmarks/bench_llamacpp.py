@@ -22,7 +22,8 @@ its converter, gguf-py and tools/llama-bench. Everything lives under --work-dir,
 repository (the sdist, the builds, the GGUF files), and is made once. Levels, like with like:
 - native: llama.cpp built with GGML_NATIVE=ON, ours at the CPU's own level;
 - avx2:   llama.cpp with GGML_NATIVE=OFF, AVX2/FMA/F16C on and AVX-512 off, ours with
-          HYBRID_ENGINE_CPU_ISA=avx2 (kernels/cpu/isa.py).
+          HYBRID_ENGINE_CPU_ISA=avx2 (kernels/cpu/isa.py) and torch's MKL and oneDNN capped at
+          AVX2 too (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA).
 
 Runs: `llama-bench -t N -p 512 -n 128 -r R -o json` (pp512: a 512-token prompt; tg128: 128
 generated tokens) against ours through benchmarks/bench_cpu.py's child (a fresh process per run;
@@ -281,18 +282,28 @@ def prepare_checkpoint(work: Path, tiktoken_file: Path) -> Path:
 
 # ---- ours -------------------------------------------------------------------------------------
 
+# What else a level caps in the child: HYBRID_ENGINE_CPU_ISA caps our own kernels, but torch's
+# MKL and oneDNN pick their code by the CPU and would run AVX-512 at our avx2 level (seen with
+# MKL_VERBOSE), which llama.cpp's AVX2 build cannot.
+LEVEL_ENV = {"avx2": {"HYBRID_ENGINE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                      "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
 @contextlib.contextmanager
 def cpu_isa(level: str | None):
-    """HYBRID_ENGINE_CPU_ISA for the child processes started inside (None: the CPU's own)."""
-    previous = os.environ.pop("HYBRID_ENGINE_CPU_ISA", None)
-    if level is not None:
-        os.environ["HYBRID_ENGINE_CPU_ISA"] = level
+    """The environment of a level (LEVEL_ENV) for the child processes started inside (None:
+    the CPU's own)."""
+    env = LEVEL_ENV.get(level, {}) if level is not None else {}
+    names = {"HYBRID_ENGINE_CPU_ISA", *env}
+    previous = {name: os.environ.pop(name, None) for name in names}
+    os.environ.update(env)
     try:
         yield
     finally:
-        os.environ.pop("HYBRID_ENGINE_CPU_ISA", None)
-        if previous is not None:
-            os.environ["HYBRID_ENGINE_CPU_ISA"] = previous
+        for name in names:
+            os.environ.pop(name, None)
+            if previous[name] is not None:
+                os.environ[name] = previous[name]
 
 
 def run_ours(engine: str, folder: Path, dtype: str, threads: int, runs: int, level: str,
