@@ -1,0 +1,151 @@
+// The GDN layer's causal depthwise conv + SiLU for decode and speculative verify: B rows of T
+// new tokens, each row continuing from a window of its last K-1 inputs in a slot pool, the
+// window after every token written to that token's slot.
+//
+// Why: the torch form (kernels/conv/causal_conv1d.py `causal_conv1d_update`, the reference)
+// is ~12 ops per layer (gather, cat, unfold, product, sum, casts, SiLU, one scatter per token),
+// each a dispatch and a pass over small tensors: at decode sizes their set-up costs more than
+// the arithmetic (K multiply-adds per channel). Here it is one call per layer.
+//
+// Per row b, token t and channel c, with xx = the window read ++ the row's T inputs:
+//   y[b, t, c] = silu(round(sum_j w[c, j] * xx[c, t + j]))     j = 0..K-1, in that order
+//   window after token t = xx[c, t+1 .. t+K-1]  -> pool[write[b, t], c, :]  (skipped when < 0)
+// The products are rounded one by one and summed in tap order in float32 (the reference's
+// `(xx * w).sum(-1)`, bitwise), rounded to the inputs' dtype, then SiLU in float32.
+//
+// Work item: a group of simd::W channels for every row. Channels never mix, so a group's reads
+// and writes touch only its own part of each slot: it reads every row's window first, then
+// computes and writes token by token (rows in order within a token, as the reference's one
+// scatter per token), so any slots may alias (a row writing another's read slot included) and
+// the groups still run in parallel.
+//
+// The pool keeps each channel's window contiguous ([S, D, K-1]) and the weight each channel's
+// taps ([D, K]); a group's are deinterleaved into per-tap vectors through a small stack buffer
+// and written back the same way. x: [B, T, D] at row strides (sb, st), channels contiguous
+// (a column slice of the layer's projection); y: [B, T, D] contiguous.
+// Returns 0, 1 for an unsupported K, 2 for a slot outside the pool (nothing is computed then).
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int V = simd::W;
+constexpr int MAX_K = 4;
+
+inline simd::F load_n(const float* p, int n) {            // n <= V values, zeros past them
+  if (n == V) return simd::load(p);
+  float t[V] = {};
+  memcpy(t, p, n * sizeof(float));
+  return simd::load(t);
+}
+inline simd::F load_n(const uint16_t* p, int n) {
+  if (n == V) return simd::load_bf16(p);
+  uint16_t t[V] = {};
+  memcpy(t, p, n * sizeof(uint16_t));
+  return simd::load_bf16(t);
+}
+inline void store_n(float* p, simd::F v, int n) {
+  if (n == V) return simd::store(p, v);
+  float t[V];
+  simd::store(t, v);
+  memcpy(p, t, n * sizeof(float));
+}
+inline void store_n(uint16_t* p, simd::F v, int n) {
+  if (n == V) return simd::store_bf16(p, v);
+  uint16_t t[V];
+  simd::store_bf16(t, v);
+  memcpy(p, t, n * sizeof(uint16_t));
+}
+inline simd::F round_to(simd::F v, const float*) { return v; }
+inline simd::F round_to(simd::F v, const uint16_t*) { return simd::round_bf16(v); }
+
+inline int count(int left) { return left < 0 ? 0 : left < V ? left : V; }     // of one vector
+
+// cols[j * V + c] = p[c * S + j] for the group's n channels as float (zeros past n).
+template <int S, typename T>
+inline void deinterleave(const T* p, int n, float* cols) {
+  alignas(64) float flat[S * V];
+  for (int i = 0; i < S; i++) simd::store(flat + i * V, load_n(p + i * V, count(n * S - i * V)));
+  for (int c = 0; c < V; c++)
+    for (int j = 0; j < S; j++) cols[j * V + c] = flat[c * S + j];
+}
+
+// p[c * S + j] = v[j] lane c, for the group's n channels.
+template <int S, typename T>
+inline void interleave(const simd::F* v, int n, T* p) {
+  alignas(64) float cols[S * V], flat[S * V];
+  for (int j = 0; j < S; j++) simd::store(cols + j * V, v[j]);
+  for (int c = 0; c < V; c++)
+    for (int j = 0; j < S; j++) flat[c * S + j] = cols[j * V + c];
+  for (int i = 0; i * V < n * S; i++)
+    store_n(p + i * V, simd::load(flat + i * V), count(n * S - i * V));
+}
+
+template <int K, typename T, typename TW>
+void conv_update(const T* x, const TW* weight, T* pool, const int64_t* read, const int64_t* write, T* y,
+                 int B, int Tn, int D, int64_t sb, int64_t st, int threads) {
+  constexpr int Wn = K - 1;                      // window length
+  const int groups = (D + V - 1) / V;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> windows((size_t)B * Wn * V);    // every row's window of one group, per tap
+#pragma omp for schedule(static)
+    for (int gi = 0; gi < groups; gi++) {
+      const int c0 = gi * V, n = D - c0 < V ? D - c0 : V;
+      alignas(64) float tap_cols[K * V];
+      deinterleave<K>(weight + (int64_t)c0 * K, n, tap_cols);
+      simd::F taps[K];
+      for (int j = 0; j < K; j++) taps[j] = simd::load(tap_cols + j * V);
+      for (int b = 0; b < B; b++)                // all reads before any write
+        deinterleave<Wn>(pool + (read[b] * D + c0) * Wn, n, windows.data() + (size_t)b * Wn * V);
+      for (int t = 0; t < Tn; t++) {
+        for (int b = 0; b < B; b++) {
+          simd::F xx[MAX_K];                     // xx[c, t .. t + K - 1]
+          for (int j = 0; j < K; j++) {
+            const int i = t + j;
+            xx[j] = i < Wn ? simd::load(windows.data() + ((size_t)b * Wn + i) * V)
+                           : load_n(x + b * sb + (i - Wn) * st + c0, n);
+          }
+          simd::F acc = simd::mul_rounded(taps[0], xx[0]);
+          for (int j = 1; j < K; j++) acc = simd::add(acc, simd::mul_rounded(taps[j], xx[j]));
+          store_n(y + ((int64_t)b * Tn + t) * D + c0, simd::silu(round_to(acc, y)), n);
+          const int64_t slot = write[(int64_t)b * Tn + t];
+          if (slot >= 0) interleave<Wn>(xx + 1, n, pool + (slot * D + c0) * Wn);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename TW>
+int run(const T* x, const TW* weight, T* pool, const int64_t* read, const int64_t* write, T* y, int64_t S,
+        int B, int Tn, int D, int K, int64_t sb, int64_t st, int threads) {
+  for (int b = 0; b < B; b++) {
+    if (read[b] < 0 || read[b] >= S) return 2;
+    for (int t = 0; t < Tn; t++)
+      if (write[(int64_t)b * Tn + t] >= S) return 2;
+  }
+  switch (K) {
+    case 2: conv_update<2>(x, weight, pool, read, write, y, B, Tn, D, sb, st, threads); return 0;
+    case 3: conv_update<3>(x, weight, pool, read, write, y, B, Tn, D, sb, st, threads); return 0;
+    case 4: conv_update<4>(x, weight, pool, read, write, y, B, Tn, D, sb, st, threads); return 0;
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+// One entry per (activation dtype, weight dtype): f32 = float32, bf16 = bfloat16 bits.
+#define ENTRY(name, T, TW)                                                                         \
+  extern "C" int name(const T* x, const TW* weight, T* pool, const int64_t* read, const int64_t* write, \
+                      T* y, int64_t S, int B, int Tn, int D, int K, int64_t sb, int64_t st, int threads) { \
+    return run(x, weight, pool, read, write, y, S, B, Tn, D, K, sb, st, threads);                 \
+  }
+ENTRY(conv_update_f32_f32, float, float)
+ENTRY(conv_update_bf16_bf16, uint16_t, uint16_t)
+ENTRY(conv_update_bf16_f32, uint16_t, float)
+ENTRY(conv_update_f32_bf16, float, uint16_t)
