@@ -35,6 +35,11 @@ namespace {
 
 constexpr int V = simd::W;
 constexpr int MAX_K = 4;
+// Outputs per thread below which a call runs on one thread: at decode sizes (one row of a
+// small model) the whole call is a few microseconds, less than waking a second thread, and a
+// descheduled one on a busy machine would hold the call up by milliseconds. torch's own
+// elementwise ops split work at this grain too (at::internal::GRAIN_SIZE).
+constexpr int64_t GRAIN = 32768;
 
 inline simd::F load_n(const float* p, int n) {            // n <= V values, zeros past them
   if (n == V) return simd::load(p);
@@ -65,43 +70,77 @@ inline simd::F round_to(simd::F v, const uint16_t*) { return simd::round_bf16(v)
 
 inline int count(int left) { return left < 0 ? 0 : left < V ? left : V; }     // of one vector
 
-// cols[j * V + c] = p[c * S + j] for the group's n channels as float (zeros past n).
+// Between a group's interleaved values (flat: channel c's S values at c * S + j, over S vectors)
+// and one vector per j (columns: lane c of vector j) in registers: output vector o lane l comes
+// from input vector k lane m. Each output is built by two-vector permutes, inputs 0 and 1 first,
+// then each later input merged in (a lane keeps what it has or takes the new input's): S - 1
+// permutes per output. A fixed table per S and direction, built once.
+template <int S>
+struct Shuffle {
+  int32_t lanes[S][S > 1 ? S - 1 : 1][V];   // [output][step]: indices into (so far ++ input)
+  explicit Shuffle(bool to_columns) {
+    int source[S][V], lane[S][V];            // output o lane l <- input source lane `lane`
+    for (int o = 0; o < S; o++)
+      for (int l = 0; l < V; l++) {
+        const int e = to_columns ? l * S + o : o * V + l;          // the flat index
+        source[o][l] = to_columns ? e / V : e % S;
+        lane[o][l] = to_columns ? e % V : e / S;
+      }
+    for (int o = 0; o < S; o++)
+      for (int l = 0; l < V; l++) {
+        if (S == 1) { lanes[o][0][l] = lane[o][l]; continue; }
+        // step 0 merges inputs 0 and 1; step k - 1 merges input k into the result so far
+        lanes[o][0][l] = source[o][l] == 1 ? V + lane[o][l] : source[o][l] == 0 ? lane[o][l] : l;
+        for (int k = 2; k < S; k++) lanes[o][k - 1][l] = source[o][l] == k ? V + lane[o][l] : l;
+      }
+  }
+  void apply(const simd::F* in, simd::F* out) const {
+    for (int o = 0; o < S; o++) {
+      simd::F r = simd::permute2(in[0], in[S > 1 ? 1 : 0], simd::load_bits(lanes[o][0]));
+      for (int k = 2; k < S; k++) r = simd::permute2(r, in[k], simd::load_bits(lanes[o][k - 1]));
+      out[o] = r;
+    }
+  }
+};
+
+// cols[j] = the vector of p[c * S + j] over the group's n channels, as float (zeros past n).
 template <int S, typename T>
-inline void deinterleave(const T* p, int n, float* cols) {
-  alignas(64) float flat[S * V];
-  for (int i = 0; i < S; i++) simd::store(flat + i * V, load_n(p + i * V, count(n * S - i * V)));
-  for (int c = 0; c < V; c++)
-    for (int j = 0; j < S; j++) cols[j * V + c] = flat[c * S + j];
+inline void deinterleave(const Shuffle<S>& shuffle, const T* p, int n, simd::F* cols) {
+  simd::F flat[S];
+  for (int i = 0; i < S; i++) flat[i] = load_n(p + i * V, count(n * S - i * V));
+  shuffle.apply(flat, cols);
 }
 
-// p[c * S + j] = v[j] lane c, for the group's n channels.
+// p[c * S + j] = lane c of cols[j], for the group's n channels.
 template <int S, typename T>
-inline void interleave(const simd::F* v, int n, T* p) {
-  alignas(64) float cols[S * V], flat[S * V];
-  for (int j = 0; j < S; j++) simd::store(cols + j * V, v[j]);
-  for (int c = 0; c < V; c++)
-    for (int j = 0; j < S; j++) flat[c * S + j] = cols[j * V + c];
-  for (int i = 0; i * V < n * S; i++)
-    store_n(p + i * V, simd::load(flat + i * V), count(n * S - i * V));
+inline void interleave(const Shuffle<S>& shuffle, const simd::F* cols, int n, T* p) {
+  simd::F flat[S];
+  shuffle.apply(cols, flat);
+  for (int i = 0; i * V < n * S; i++) store_n(p + i * V, flat[i], count(n * S - i * V));
 }
 
 template <int K, typename T, typename TW>
 void conv_update(const T* x, const TW* weight, T* pool, const int64_t* read, const int64_t* write, T* y,
                  int B, int Tn, int D, int64_t sb, int64_t st, int threads) {
   constexpr int Wn = K - 1;                      // window length
+  static const Shuffle<K> tap_columns(true);
+  static const Shuffle<Wn> window_columns(true), window_flat(false);
   const int groups = (D + V - 1) / V;
+  const int64_t outputs = (int64_t)B * Tn * D;
+  if (outputs / GRAIN < threads) threads = outputs < 2 * GRAIN ? 1 : (int)(outputs / GRAIN);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> windows((size_t)B * Wn * V);    // every row's window of one group, per tap
+    simd::F cols[MAX_K];
 #pragma omp for schedule(static)
     for (int gi = 0; gi < groups; gi++) {
       const int c0 = gi * V, n = D - c0 < V ? D - c0 : V;
-      alignas(64) float tap_cols[K * V];
-      deinterleave<K>(weight + (int64_t)c0 * K, n, tap_cols);
       simd::F taps[K];
-      for (int j = 0; j < K; j++) taps[j] = simd::load(tap_cols + j * V);
-      for (int b = 0; b < B; b++)                // all reads before any write
-        deinterleave<Wn>(pool + (read[b] * D + c0) * Wn, n, windows.data() + (size_t)b * Wn * V);
+      deinterleave(tap_columns, weight + (int64_t)c0 * K, n, taps);
+      for (int b = 0; b < B; b++) {              // all reads before any write
+        deinterleave(window_columns, pool + (read[b] * D + c0) * Wn, n, cols);
+        for (int j = 0; j < Wn; j++) simd::store(windows.data() + ((size_t)b * Wn + j) * V, cols[j]);
+      }
       for (int t = 0; t < Tn; t++) {
         for (int b = 0; b < B; b++) {
           simd::F xx[MAX_K];                     // xx[c, t .. t + K - 1]
@@ -114,7 +153,7 @@ void conv_update(const T* x, const TW* weight, T* pool, const int64_t* read, con
           for (int j = 1; j < K; j++) acc = simd::add(acc, simd::mul_rounded(taps[j], xx[j]));
           store_n(y + ((int64_t)b * Tn + t) * D + c0, simd::silu(round_to(acc, y)), n);
           const int64_t slot = write[(int64_t)b * Tn + t];
-          if (slot >= 0) interleave<Wn>(xx + 1, n, pool + (slot * D + c0) * Wn);
+          if (slot >= 0) interleave(window_flat, xx + 1, n, pool + (slot * D + c0) * Wn);
         }
       }
     }

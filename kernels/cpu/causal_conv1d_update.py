@@ -47,20 +47,23 @@ def conv_update_native(x: torch.Tensor, weight: torch.Tensor, window_pool: torch
     kernels/cpu/isa.py (None: this process's; tests run each level below it)."""
     B, T, D = x.shape
     K = weight.shape[1]
-    lib = _library(level)
-    if lib is None or not (x.dtype in DTYPES and weight.dtype in DTYPES and window_pool.dtype == x.dtype
-                           and window_pool.is_contiguous()):
+    fn = _entries(level).get((x.dtype, weight.dtype))
+    if fn is None or window_pool.dtype != x.dtype or not window_pool.is_contiguous():
         raise ValueError(f"conv_update_native: no kernel for x {x.dtype}, weight {weight.dtype}, pool "
                          f"{window_pool.dtype} at level {level}")
+    # Each conversion only where needed: at decode sizes a few microseconds of Python are a
+    # good part of the call.
     if x.stride(-1) != 1:            # rows may be strided (a column slice), channels not
         x = x.contiguous()
-    weight = weight.contiguous()
-    read_slots = read_slots.to(torch.int64).contiguous()
-    write_slots = write_slots.to(torch.int64).contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if read_slots.dtype != torch.int64 or not read_slots.is_contiguous():
+        read_slots = read_slots.to(torch.int64).contiguous()
+    if write_slots.dtype != torch.int64 or not write_slots.is_contiguous():
+        write_slots = write_slots.to(torch.int64).contiguous()
     y = x.new_empty(B, T, D)
     if B == 0 or T == 0:
         return y
-    fn = getattr(lib, f"conv_update_{_SUFFIX[x.dtype]}_{_SUFFIX[weight.dtype]}")
     err = fn(x.data_ptr(), weight.data_ptr(), window_pool.data_ptr(), read_slots.data_ptr(),
              write_slots.data_ptr(), y.data_ptr(), window_pool.shape[0], B, T, D, K, x.stride(0),
              x.stride(1), torch.get_num_threads())
@@ -81,11 +84,20 @@ conv_update_op = define_graph_op(
 
 @functools.lru_cache(maxsize=None)
 def _library(level: str | None) -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, level)
-    if lib is not None:
-        args = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-        for x_type in _SUFFIX.values():
-            for w_type in _SUFFIX.values():
-                fn = getattr(lib, f"conv_update_{x_type}_{w_type}")
-                fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
+    return load_library(SOURCE, level)
+
+
+@functools.lru_cache(maxsize=None)
+def _entries(level: str | None) -> dict:
+    """(x dtype, weight dtype) -> the kernel's entry point (empty where none builds)."""
+    lib = _library(level)
+    if lib is None:
+        return {}
+    args = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    entries = {}
+    for x_dtype, x_name in _SUFFIX.items():
+        for w_dtype, w_name in _SUFFIX.items():
+            fn = getattr(lib, f"conv_update_{x_name}_{w_name}")
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            entries[x_dtype, w_dtype] = fn
+    return entries

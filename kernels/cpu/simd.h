@@ -34,6 +34,9 @@ inline F pow2i(F n) {            // 2^n for integral n in [-126, 127], built in 
 inline F select_gt(F a, F b, F if_gt, F otherwise) {     // a > b ? if_gt : otherwise, per lane
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), otherwise, if_gt);
 }
+inline F permute2(F a, F b, I lanes) {   // lane l <- (a ++ b)[lanes[l]], lanes in [0, 2W)
+  return _mm512_permutex2var_ps(a, lanes, b);
+}
 inline F round_bf16(F v) {        // v rounded to the nearest bf16, nearest even, kept as float
   I bits = _mm512_castps_si512(v);
   I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -77,6 +80,10 @@ inline F pow2i(F n) {
 }
 inline F select_gt(F a, F b, F if_gt, F otherwise) {
   return _mm256_blendv_ps(otherwise, if_gt, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+}
+inline F permute2(F a, F b, I lanes) {   // each permute reads the low 3 bits; bit 3 picks b
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(a, lanes), _mm256_permutevar8x32_ps(b, lanes),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 28)));
 }
 inline F round_bf16(F v) {
   I bits = _mm256_castps_si256(v);
