@@ -20,9 +20,9 @@
 // the groups still run in parallel.
 //
 // The pool keeps each channel's window contiguous ([S, D, K-1]) and the weight each channel's
-// taps ([D, K]); a group's are deinterleaved into per-tap vectors through a small stack buffer
-// and written back the same way. x: [B, T, D] at row strides (sb, st), channels contiguous
-// (a column slice of the layer's projection); y: [B, T, D] contiguous.
+// taps ([D, K]); a group's are deinterleaved into one vector per tap by register permutes
+// (Shuffle) and interleaved back the same way. x: [B, T, D] at row strides (sb, st), channels
+// contiguous (a column slice of the layer's projection); y: [B, T, D] contiguous.
 // Returns 0, 1 for an unsupported K, 2 for a slot outside the pool (nothing is computed then).
 #include <stdint.h>
 #include <string.h>
