@@ -65,6 +65,8 @@ CASES = [  # seed, B, T, D, K
     (5, 5, 2, 16, 3),
     (6, 2, 3, 21, 2),
     (7, 1, 6, 5, 3),        # fewer channels than one vector
+    (12, 3, 3, 1100, 4),    # several chunks of channels, the last one short
+    (13, 4, 3, 6001, 4),    # enough outputs for the kernel to use more than one thread
 ]
 
 

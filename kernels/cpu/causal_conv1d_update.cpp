@@ -13,11 +13,11 @@
 // The products are rounded one by one and summed in tap order in float32 (the reference's
 // `(xx * w).sum(-1)`, bitwise), rounded to the inputs' dtype, then SiLU in float32.
 //
-// Work item: a group of simd::W channels for every row. Channels never mix, so a group's reads
-// and writes touch only its own part of each slot: it reads every row's window first, then
-// computes and writes token by token (rows in order within a token, as the reference's one
-// scatter per token), so any slots may alias (a row writing another's read slot included) and
-// the groups still run in parallel.
+// Work item: a chunk of channels (CHUNK_GROUPS groups of simd::W) for every row. Channels never
+// mix, so a chunk's reads and writes touch only its own part of each slot: it reads every
+// row's window first, then computes and writes token by token (rows in order within a token,
+// as the reference's one scatter per token), so any slots may alias (a row writing another's
+// read slot included) and the chunks still run in parallel.
 //
 // The pool keeps each channel's window contiguous ([S, D, K-1]) and the weight each channel's
 // taps ([D, K]); a group's are deinterleaved into one vector per tap by register permutes
@@ -40,6 +40,10 @@ constexpr int MAX_K = 4;
 // descheduled one on a busy machine would hold the call up by milliseconds. torch's own
 // elementwise ops split work at this grain too (at::internal::GRAIN_SIZE).
 constexpr int64_t GRAIN = 32768;
+// Groups per work item: each token's window is written as one run of a slot (CHUNK_GROUPS * V
+// channels, 6 KB of float32 at K = 4) rather than a few lines in each of B x T slots at once,
+// whose rows sit a multiple of 4 KB apart and so contend for the same L1 sets.
+constexpr int CHUNK_GROUPS = 32;
 
 inline simd::F load_n(const float* p, int n) {            // n <= V values, zeros past them
   if (n == V) return simd::load(p);
@@ -125,37 +129,46 @@ void conv_update(const T* x, const TW* weight, T* pool, const int64_t* read, con
   constexpr int Wn = K - 1;                      // window length
   static const Shuffle<K> tap_columns(true);
   static const Shuffle<Wn> window_columns(true), window_flat(false);
-  const int groups = (D + V - 1) / V;
+  const int groups = (D + V - 1) / V, chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
   const int64_t outputs = (int64_t)B * Tn * D;
   if (outputs / GRAIN < threads) threads = outputs < 2 * GRAIN ? 1 : (int)(outputs / GRAIN);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> windows((size_t)B * Wn * V);    // every row's window of one group, per tap
+    // a chunk's taps and every row's window, one vector per tap: [group][j] and [b][group][j]
+    std::vector<float> taps((size_t)CHUNK_GROUPS * K * V), windows((size_t)B * CHUNK_GROUPS * Wn * V);
     simd::F cols[MAX_K];
 #pragma omp for schedule(static)
-    for (int gi = 0; gi < groups; gi++) {
-      const int c0 = gi * V, n = D - c0 < V ? D - c0 : V;
-      simd::F taps[K];
-      deinterleave(tap_columns, weight + (int64_t)c0 * K, n, taps);
-      for (int b = 0; b < B; b++) {              // all reads before any write
-        deinterleave(window_columns, pool + (read[b] * D + c0) * Wn, n, cols);
-        for (int j = 0; j < Wn; j++) simd::store(windows.data() + ((size_t)b * Wn + j) * V, cols[j]);
+    for (int ci = 0; ci < chunks; ci++) {
+      const int g0 = ci * CHUNK_GROUPS, ng = groups - g0 < CHUNK_GROUPS ? groups - g0 : CHUNK_GROUPS;
+      auto width = [&](int g) { return D - (g0 + g) * V < V ? D - (g0 + g) * V : V; };
+      auto window = [&](int b, int g, int j) { return windows.data() + (((size_t)b * CHUNK_GROUPS + g) * Wn + j) * V; };
+      for (int g = 0; g < ng; g++) {
+        deinterleave(tap_columns, weight + (int64_t)(g0 + g) * V * K, width(g), cols);
+        for (int j = 0; j < K; j++) simd::store(taps.data() + ((size_t)g * K + j) * V, cols[j]);
       }
-      for (int t = 0; t < Tn; t++) {
-        for (int b = 0; b < B; b++) {
-          simd::F xx[MAX_K];                     // xx[c, t .. t + K - 1]
-          for (int j = 0; j < K; j++) {
-            const int i = t + j;
-            xx[j] = i < Wn ? simd::load(windows.data() + ((size_t)b * Wn + i) * V)
-                           : load_n(x + b * sb + (i - Wn) * st + c0, n);
-          }
-          simd::F acc = simd::mul_rounded(taps[0], xx[0]);
-          for (int j = 1; j < K; j++) acc = simd::add(acc, simd::mul_rounded(taps[j], xx[j]));
-          store_n(y + ((int64_t)b * Tn + t) * D + c0, simd::silu(round_to(acc, y)), n);
-          const int64_t slot = write[(int64_t)b * Tn + t];
-          if (slot >= 0) interleave(window_flat, xx + 1, n, pool + (slot * D + c0) * Wn);
+      for (int b = 0; b < B; b++)                // all reads before any write
+        for (int g = 0; g < ng; g++) {
+          deinterleave(window_columns, pool + (read[b] * D + (int64_t)(g0 + g) * V) * Wn, width(g), cols);
+          for (int j = 0; j < Wn; j++) simd::store(window(b, g, j), cols[j]);
         }
-      }
+      // token by token, rows in order; a row's chunk of each slot written front to back
+      for (int t = 0; t < Tn; t++)
+        for (int b = 0; b < B; b++) {
+          const int64_t slot = write[(int64_t)b * Tn + t];
+          for (int g = 0; g < ng; g++) {
+            const int c0 = (g0 + g) * V, n = width(g);
+            simd::F xx[MAX_K];                   // xx[c, t .. t + K - 1]
+            for (int j = 0; j < K; j++) {
+              const int i = t + j;
+              xx[j] = i < Wn ? simd::load(window(b, g, i)) : load_n(x + b * sb + (i - Wn) * st + c0, n);
+            }
+            const float* tap = taps.data() + (size_t)g * K * V;
+            simd::F acc = simd::mul_rounded(simd::load(tap), xx[0]);
+            for (int j = 1; j < K; j++) acc = simd::add(acc, simd::mul_rounded(simd::load(tap + j * V), xx[j]));
+            store_n(y + ((int64_t)b * Tn + t) * D + c0, simd::silu(round_to(acc, y)), n);
+            if (slot >= 0) interleave(window_flat, xx + 1, n, pool + (slot * D + c0) * Wn);
+          }
+        }
     }
   }
 }
