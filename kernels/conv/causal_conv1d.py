@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cpu.causal_conv1d_update import can_run_native, conv_update_op
 from ..slot_pool import DecodeRows, scatter_to_slots
 
 
@@ -111,6 +112,21 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: tor
     < 0 skipped; tokens are written in order, so a slot repeated along t keeps the last
     window). All reads happen before any write. rows: the step's DecodeRows (None: read back
     from the slots). Returns y: [B, T, D] in x.dtype.
+
+    On CPU, where the native kernel runs for these tensors (kernels/cpu/causal_conv1d_update.cpp:
+    float32 or bf16, K of 2 to 4), the call is that kernel, one op eagerly and in compiled
+    graphs, with the same numerics; the torch form below serves everywhere else and is its
+    reference.
+    """
+    if can_run_native(x, weight, window_pool):       # any slots: the kernel reads all first too
+        return conv_update_op(x, weight, window_pool, read_slots, write_slots)
+    return causal_conv1d_update_torch(x, weight, window_pool, read_slots, write_slots, rows)
+
+
+def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
+                               read_slots: torch.Tensor, write_slots: torch.Tensor,
+                               rows: DecodeRows | None = None) -> torch.Tensor:
+    """causal_conv1d_update in torch ops (the same contract).
 
     Each output is one product of its K-tap window with the weight and a sum over the taps
     (conv1d's per-call set-up costs more than the arithmetic at decode sizes; this is two
