@@ -93,18 +93,33 @@ def test_the_checkpoint_names_its_architecture_and_the_table_shows_ratios():
             {"level": "avx2", "dtype": "float32", "engine": "ours", "pp512": {"tok_s": 119.0},
              "tg128": {"tok_s": 4.65}}]
     lines = bench.table(rows).splitlines()
-    assert len(lines) == 3 and lines[2].split()[-2:] == ["1.27x", "0.50x"]
+    assert len(lines) == 3 and lines[2].split()[-3:] == ["1.27x", "0.50x", "-"]    # no roofline given
     assert lines[1].split()[:5] == ["avx2", "float32", "llama.cpp", "94.0", "9.3"]
+    # the decode's share of a roofline of 9.3 tok/s
+    lines = bench.table(rows, roofs={"float32": {"tok_s": 9.3}}).splitlines()
+    assert lines[1].split()[-1] == "100%" and lines[2].split()[-1] == "50%"
+
+
+def test_the_roofline_reads_every_weight_once_at_the_bandwidth():
+    roof = bench.roofline("bfloat16", 128, 20.0)
+    step = roof["bytes_per_step"]
+    assert step["weights"] > 1.4e9 and step["total"] == step["weights"] + step["state"] + step["kv"]
+    assert roof["tok_s"] == 20.0e9 / step["total"]
+    assert bench.roofline("float32", 128, 20.0)["bytes_per_step"]["weights"] == 2 * step["weights"]
 
 
 def test_cpu_isa_sets_and_restores_the_override(monkeypatch):
     import os
     monkeypatch.setenv("HYBRID_ENGINE_CPU_ISA", "none")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
     with bench.cpu_isa("avx2"):
         assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "avx2"
+        assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     with bench.cpu_isa(None):
-        assert "HYBRID_ENGINE_CPU_ISA" not in os.environ
-    assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "none"
+        assert "HYBRID_ENGINE_CPU_ISA" not in os.environ and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "none" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    assert "MKL_ENABLE_INSTRUCTIONS" not in os.environ
 
 
 def test_llama_bench_runs_the_prompt_and_the_generation_asked_for():
@@ -120,7 +135,7 @@ def test_the_table_names_the_generation_length_it_was_given():
             {"level": "native", "dtype": "bfloat16", "engine": "ours", "pp512": {"tok_s": 100.0},
              "tg16": {"tok_s": 8.0}}]
     lines = bench.table(rows, generate=16).splitlines()
-    assert "tg16 tok/s" in lines[0] and lines[2].split()[-2:] == ["1.25x", "0.50x"]
+    assert "tg16 tok/s" in lines[0] and lines[2].split()[-3:] == ["1.25x", "0.50x", "-"]
     assert bench.table(rows).splitlines()[2].split()[3:5] == ["100.0", "-"]   # no tg128 in these rows
 
 
