@@ -4,6 +4,8 @@ x W^T; the native blocked kernel (kernels/cpu/blocked_linear.cpp) against F.line
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import nn
 from hybrid_engine.kernels.cpu import blocked as blocked_mod
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available
 from hybrid_engine.kernels.cpu import projection as projection_mod
+from hybrid_engine.kernels.cpu.build import load_library
 from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
 from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
                                                   WideningProjection, choose_projection, plain_linear)
@@ -98,6 +101,35 @@ def test_blocked_float32_matches_f_linear(rows, n):
     assert out.shape == (rows, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(blocked_linear_reference(x, wb), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows,k,threads", [(64, 37, 2), (70, 1100, 2), (1030, 1100, 3), (515, 512, 1)])
+def test_blocked_float32_many_rows_at_avx2_equals_each_row_alone(rows, k, threads):
+    """From 64 rows on, the AVX2 build runs its K-sliced form (6-row tiles, y reloaded after each
+    slice of 512 k, rows in blocks of at most 512): the same FMAs in k order as the few-rows form,
+    so every row equals its product in a call of 4 rows, bitwise. The AVX2 build is loaded
+    explicitly, so the default run (at the native level) covers it too. Shapes: a partial last
+    panel (70), several slices with a short last one (1100), several row blocks (515, 1030),
+    threads splitting 3 blocks unevenly."""
+    lib = load_library(blocked_mod.SOURCE, "avx2")
+    product = lib.blocked_linear_f32
+    product.argtypes, product.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, ctypes.c_int
+    g = torch.Generator().manual_seed(rows + k)
+    n = 48
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    wb = block_weight(w)
+
+    def run(xs: torch.Tensor) -> torch.Tensor:
+        y = torch.full((xs.shape[0], n), float("nan"))
+        product(xs.data_ptr(), wb.data_ptr(), y.data_ptr(), xs.shape[0], n, k, threads)
+        return y
+
+    many = run(x)
+    torch.testing.assert_close(many, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
+    few = torch.cat([run(x[i:i + 4].contiguous()) for i in range(0, rows, 4)])
+    assert torch.equal(many, few)
 
 
 @needs_native
