@@ -34,7 +34,7 @@ def can_run_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel serves a norm of x over its last dim with `weight`: an eager call (not
     traced by torch.compile, no autograd) on CPU tensors of float32 or bf16, the last dim
     contiguous, one weight [D]."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype in DTYPES
+    return (x.is_cpu and x.dtype in DTYPES and weight.dtype in DTYPES
             and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and x.stride(-1) == 1
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -54,7 +54,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, level: st
     rows = x if x.dim() == 2 else x.reshape(-1, D)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = x.new_empty(x.shape)
+    y = _empty_like(x)
     if y.numel():
         _entry("rms_norm", x.dtype, weight.dtype, level)(
             rows.data_ptr(), _contiguous(weight).data_ptr(), y.data_ptr(), rows.shape[0], 1, D,
@@ -67,7 +67,7 @@ def add_rms_norm_native(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, 
     """x, h [..., D] of one dtype -> (x + h, its zero-centred norm), both x.dtype."""
     D = x.shape[-1]
     xr, hr = _rows(x, D), _rows(h, D)
-    total, y = torch.empty((2, *x.shape), dtype=x.dtype).unbind(0)
+    total, y = _empty_like(x), _empty_like(x)
     if y.numel():
         _entry("add_rms_norm", x.dtype, weight.dtype, level)(
             xr.data_ptr(), hr.data_ptr(), _contiguous(weight).data_ptr(), total.data_ptr(), y.data_ptr(),
@@ -81,7 +81,7 @@ def gated_rms_norm_native(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     with a PLAIN weight, x.dtype (the reference's rounding points)."""
     D = x.shape[-1]
     xr, zr = _heads(x, D), _heads(z, D)
-    y = x.new_empty(x.shape)
+    y = _empty_like(x)
     if y.numel():
         _entry("gated_rms_norm", x.dtype, weight.dtype, level)(
             xr.data_ptr(), zr.data_ptr(), _contiguous(weight).data_ptr(), y.data_ptr(), xr.shape[0],
@@ -117,6 +117,11 @@ def qk_norm_rope_native(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
             T, nh, nkv, hd, cos.shape[-1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             eps, torch.get_num_threads())
     return out[:, :nh], out[:, nh:]
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of t's shape, dtype and device (the cheapest allocation from Python)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
