@@ -37,7 +37,18 @@ def assert_close_to_reference(got, want):
     else:
         ulps = (got.contiguous().view(torch.int16).int() - want.contiguous().view(torch.int16).int()).abs()
         assert int(ulps.max()) <= 1, f"{int((ulps > 1).sum())} outputs more than one bf16 ulp apart"
-        assert float((ulps > 0).float().mean()) < 1e-3
+        assert int((ulps > 0).sum()) <= 2 + got.numel() // 1000, "too many outputs one ulp apart"
+
+
+def assert_rope_close_to_reference(got, want):
+    """After the norm, RoPE rounds twice more (each product, then their sum): one bf16 ulp of a
+    normed value can be more ulps of a sum that cancels, so bf16 differences are bounded by the
+    normed values' ulp (those here are below 8: 2^-5) rather than the output's."""
+    if got.dtype == torch.float32:
+        return assert_close_to_reference(got, want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 ** -5)
+    assert int((got != want).sum()) <= 2 + got.numel() // 1000, "too many outputs apart"
 
 
 def _rows(seed, R, D, dtype, stride_pad=0):
@@ -131,7 +142,7 @@ def test_qk_norm_rope_matches_the_torch_form(level, dtype, weight_dtype, seed, T
     got = native.qk_norm_rope_native(q, k, w_q, w_k, EPS, cos, sin, level=level)
     want = fused.qk_norm_rope_torch(q, k, w_q, w_k, EPS, cos, sin)
     for got_part, want_part in zip(got, want):
-        assert_close_to_reference(got_part, want_part)
+        assert_rope_close_to_reference(got_part, want_part)
 
 
 @pytest.mark.skipif(not NATIVE_LEVELS, reason=NO_NATIVE)
@@ -151,6 +162,12 @@ def test_any_size_matches_the_torch_forms(level, seed, R, H, D, dtypes):
     assert_close_to_reference(y, want_y)
     assert_close_to_reference(native.gated_rms_norm_native(x, z, 1 + w, EPS, level=level),
                               norm.gated_rms_norm_torch(x, z, 1 + w, EPS))
+    # q/k: x's heads as q, h's first head as k, an even rotary width within the head
+    rot = 2 * (seed % (D // 2 + 1))
+    cos, sin = rope_cos_sin(torch.arange(R) * 11 + 3, rot, 1e7, dtype) if rot else (x.new_empty(R, 0),) * 2
+    got = native.qk_norm_rope_native(x, h[:, :1], w, 0.5 * w, EPS, cos, sin, level=level)
+    for got_part, want_part in zip(got, fused.qk_norm_rope_torch(x, h[:, :1], w, 0.5 * w, EPS, cos, sin)):
+        assert_rope_close_to_reference(got_part, want_part)
 
 
 @pytest.mark.skipif(not NATIVE_LEVELS, reason=NO_NATIVE)
@@ -229,8 +246,10 @@ def test_the_ops_take_the_kernel_where_it_runs(dtype, compiled, monkeypatch):
     expected = {} if compiled or cpu_level() == "none" else {
         "rms_norm_native": 1, "add_rms_norm_native": 1, "gated_rms_norm_native": 1, "qk_norm_rope_native": 1}
     assert calls == expected
-    for got_part, want_part in zip(got, want, strict=True):
+    for got_part, want_part in zip(got[:4], want[:4], strict=True):
         assert_close_to_reference(got_part, want_part)
+    for got_part, want_part in zip(got[4:], want[4:], strict=True):
+        assert_rope_close_to_reference(got_part, want_part)
 
 
 # ---------------------------------------------------------------- the engine on the kernel

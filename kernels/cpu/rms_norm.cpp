@@ -89,35 +89,41 @@ void scale_row(const T* x, const TW* w, T* y, int D, float r) {
   }
 }
 
-inline int threads_for(int64_t elements, int threads) {
+// row(r) for every row, on up to `threads` threads by the grain; on the calling thread alone
+// without entering OpenMP at all (as torch's parallel_for does) for a small call.
+template <typename F>
+void for_each_row(int64_t rows, int64_t elements, int threads, const F& row) {
   if (elements / GRAIN < threads) threads = elements < 2 * GRAIN ? 1 : (int)(elements / GRAIN);
-  return threads;
+  if (threads <= 1) {
+    for (int64_t r = 0; r < rows; r++) row(r);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; r++) row(r);
 }
 
 template <typename T, typename TW>
 void rms_norm(const T* x, const TW* w, T* y, int n0, int n1, int D, int64_t s0, int64_t s1, float eps,
               int threads) {
   const int64_t rows = (int64_t)n0 * n1;
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * D, threads))
-  for (int64_t r = 0; r < rows; r++) {
+  for_each_row(rows, rows * D, threads, [&](int64_t r) {
     const T* row = x + (r / n1) * s0 + (r % n1) * s1;
     scale_row(row, w, y + r * D, D, inv_rms(sum_squares(row, D), D, eps));
-  }
+  });
 }
 
 // sum = round(x + h) (the residual stream after the block), y = the norm of sum
 template <typename T, typename TW>
 void add_rms_norm(const T* x, const T* h, const TW* w, T* sum, T* y, int rows, int D, int64_t sx,
                   int64_t sh, float eps, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads_for((int64_t)rows * D, threads))
-  for (int64_t r = 0; r < rows; r++) {
+  for_each_row(rows, (int64_t)rows * D, threads, [&](int64_t r) {
     T* s = sum + r * D;
     for (int i = 0; i < D; i += V) {
       const int n = width(D, i);
       store_n(s + i, simd::add(load_n(x + r * sx + i, n), load_n(h + r * sh + i, n)), n);
     }
     scale_row(s, w, y + r * D, D, inv_rms(sum_squares(s, D), D, eps));
-  }
+  });
 }
 
 // y = round(round_mid(w * round(x * r)) * silu(z)), PLAIN weight: the reference rounds the
@@ -127,8 +133,7 @@ void gated_rms_norm(const T* x, const T* z, const TW* w, T* y, int n0, int n1, i
                     int64_t sx1, int64_t sz0, int64_t sz1, float eps, int threads) {
   constexpr bool mid_bf16 = sizeof(T) == 2 && sizeof(TW) == 2;
   const int64_t rows = (int64_t)n0 * n1;
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * D, threads))
-  for (int64_t r = 0; r < rows; r++) {
+  for_each_row(rows, rows * D, threads, [&](int64_t r) {
     const T* xr = x + (r / n1) * sx0 + (r % n1) * sx1;
     const T* zr = z + (r / n1) * sz0 + (r % n1) * sz1;
     T* yr = y + r * D;
@@ -139,7 +144,7 @@ void gated_rms_norm(const T* x, const T* z, const TW* w, T* y, int n0, int n1, i
       if (mid_bf16) m = simd::round_bf16(m);
       store_n(yr + i, simd::mul(m, simd::silu(load_n(zr + i, n))), n);
     }
-  }
+  });
 }
 
 // q and k heads of T tokens -> out [T, nh + nkv, hd]: each head normed over hd (zero-centred,
@@ -151,8 +156,7 @@ void qk_norm_rope(const T* q, const T* k, const TW* qw, const TW* kw, const T* c
                   int64_t sk1, int64_t scs, float eps, int threads) {
   const int heads = nh + nkv, half = rot / 2;
   const int64_t rows = (int64_t)tokens * heads;
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * hd, threads))
-  for (int64_t r = 0; r < rows; r++) {
+  for_each_row(rows, rows * hd, threads, [&](int64_t r) {
     const int64_t t = r / heads;
     const int head = (int)(r % heads);
     const bool is_q = head < nh;
@@ -180,7 +184,7 @@ void qk_norm_rope(const T* q, const T* k, const TW* qw, const TW* kw, const T* c
     }
     // the pass-through dims: already rounded to T, so their store is exact
     for (int i = rot; i < hd; i += V) store_n(y + i, load_n(normed + i, width(hd, i)), width(hd, i));
-  }
+  });
 }
 
 }  // namespace
