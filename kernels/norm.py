@@ -43,7 +43,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     x, h: [..., D] of one dtype; weight: [D]. The sum is rounded to x.dtype before the norm
     reads it, as the two ops in sequence would.
     """
-    if h.dtype == x.dtype and h.stride(-1) == 1 and can_run_native(x, weight):
+    if h.shape == x.shape and h.dtype == x.dtype and can_run_native(x, weight):
         return add_rms_norm_native(x, h, weight, eps)
     return add_rms_norm_torch(x, h, weight, eps)
 
@@ -61,7 +61,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     x, z: [..., D]; weight: [D]. The normalised x is cast to x.dtype before the weight multiply
     and silu(z) is applied in fp32, as transformers does; the bf16 rounding points matter.
     """
-    if z.dtype == x.dtype and z.shape == x.shape and z.stride(-1) == 1 and can_run_native(x, weight):
+    if z.shape == x.shape and z.dtype == x.dtype and can_run_native(x, weight):
         return gated_rms_norm_native(x, z, weight, eps)
     return gated_rms_norm_torch(x, z, weight, eps)
 

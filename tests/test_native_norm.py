@@ -201,6 +201,20 @@ def test_native_declines_what_it_cannot_take():
     assert native.can_run_native(x.detach(), w) == bool(NATIVE_LEVELS)
 
 
+def test_the_ops_take_the_torch_form_where_the_kernel_cannot(monkeypatch):
+    """A broadcast addend, a gate of another dtype, a weight per head: the torch forms' results."""
+    calls = _count_kernel_calls(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    x, h = 3 * torch.randn(2, 3, 16, generator=g)
+    w = 0.2 * torch.randn(16, generator=g)
+    for got, want in zip(norm.add_rms_norm(x, h[:1], w, EPS), norm.add_rms_norm_torch(x, h[:1], w, EPS)):
+        assert torch.equal(got, want)
+    assert torch.equal(norm.gated_rms_norm(x, h.double(), w, EPS), norm.gated_rms_norm_torch(x, h.double(), w, EPS))
+    per_head = 0.2 * torch.randn(3, 16, generator=g)
+    assert torch.equal(norm.rms_norm(x, per_head, EPS), norm.rms_norm_torch(x, per_head, EPS))
+    assert not calls
+
+
 def _count_kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts the native entry points' calls by kind."""
     calls: dict[str, int] = {}
