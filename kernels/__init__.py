@@ -16,6 +16,7 @@ from .dispatch import KernelBackend, dispatched, get_backend, set_backend, using
 from .gdn import naive_gated_delta_rule
 from .rope import rope_cos_sin
 
+add_rms_norm = dispatched(_norm.add_rms_norm)
 apply_partial_rope = dispatched(_rope.apply_partial_rope)
 causal_conv1d_update = dispatched(_conv.causal_conv1d_update)
 causal_conv1d_varlen = dispatched(_conv.causal_conv1d_varlen)
@@ -39,6 +40,7 @@ def backend_for(device) -> KernelBackend:
 
 __all__ = [
     "KernelBackend",
+    "add_rms_norm",
     "apply_partial_rope",
     "backend_for",
     "causal_conv1d_update",

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cpu.rms_norm import can_run_qk_norm_rope, qk_norm_rope_native
 from .gdn import recurrent_gated_delta_rule
-from .norm import rms_norm
+from .norm import rms_norm_torch
 from .rope import apply_partial_rope
 from .slot_pool import DecodeRows
 
@@ -22,13 +23,25 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q: [T, nh, hd]; k: [T, nkv, hd] (same dtype); q_weight, k_weight: [hd]; cos, sin: [T, rotary_dim].
     Returns (q, k) in their input dtypes.
 
-    Here q and k go through the plain ops as one [T, nh + nkv, hd] tensor, each head with its
-    own weight: the same per-row arithmetic (bitwise equal to the ops applied to each), in half
+    On CPU, where the native kernel runs (kernels/cpu/rms_norm.cpp, an eager call), the call is
+    that kernel; the torch form below serves everywhere else and is its reference.
+    """
+    if can_run_qk_norm_rope(q, k, q_weight, k_weight, cos, sin):
+        return qk_norm_rope_native(q, k, q_weight, k_weight, eps, cos, sin)
+    return qk_norm_rope_torch(q, k, q_weight, k_weight, eps, cos, sin)
+
+
+def qk_norm_rope_torch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_norm_rope in torch ops (the same contract).
+
+    q and k go through the plain ops as one [T, nh + nkv, hd] tensor, each head with its own
+    weight: the same per-row arithmetic (bitwise equal to the ops applied to each), in half
     the calls.
     """
     nh, nkv = q.shape[1], k.shape[1]
     weight = torch.cat([q_weight.expand(nh, -1), k_weight.expand(nkv, -1)])
-    qk = apply_partial_rope(rms_norm(torch.cat([q, k], dim=1), weight, eps), cos, sin)
+    qk = apply_partial_rope(rms_norm_torch(torch.cat([q, k], dim=1), weight, eps), cos, sin)
     return qk[:, :nh], qk[:, nh:]
 
 

@@ -35,8 +35,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        rms_norm = batch.kernels.rms_norm
-        h = rms_norm(x, self.input_layernorm.weight, self.eps)
+        ops = batch.kernels
+        h = ops.rms_norm(x, self.input_layernorm.weight, self.eps)
         if self.layer_type == FULL:
             h = self.self_attn(h, batch, caches.kv_caches[self.cache_index], rope)
         else:
@@ -44,5 +44,5 @@ class DecoderLayer(nn.Module):
             checkpoints = ((caches.checkpoint_conv_states[i], caches.checkpoint_recurrent_states[i])
                            if batch.gdn_captures is not None else None)
             h = self.linear_attn(h, batch, caches.conv_states[i], caches.recurrent_states[i], checkpoints)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+        x, h = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, self.eps)   # x + h, its norm
+        return x + self.mlp(h)

@@ -8,9 +8,10 @@ fla takes seconds). On CPU tensors these kernels run only under TRITON_INTERPRET
 from .attention import paged_attention, write_kv_cache
 from .conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows_at
 from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, recurrent_gated_delta_rule_fused_gating
-from .norm import apply_partial_rope, gated_rms_norm, qk_norm_rope, rms_norm
+from .norm import add_rms_norm, apply_partial_rope, gated_rms_norm, qk_norm_rope, rms_norm
 
 __all__ = [
+    "add_rms_norm",
     "apply_partial_rope",
     "causal_conv1d_update",
     "causal_conv1d_varlen",

@@ -39,6 +39,13 @@ def _rms_norm_kernel(x, weight, out, sx, D, eps, BD: tl.constexpr):
     tl.store(out + r * D + offs, (h * (1.0 + w)).to(out.dtype.element_ty), mask=mask)
 
 
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, then the zero-centred RMSNorm of the sum; contract of the torch op."""
+    total = x + h
+    return total, rms_norm(total, weight, eps)
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm, weight * rmsnorm(x) * silu(z) with a plain weight; contract of the torch op."""
     rows, gates = _rows(x), _rows(z)

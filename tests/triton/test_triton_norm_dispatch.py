@@ -32,6 +32,16 @@ def test_rms_norm_matches_torch(device):
     torch.testing.assert_close(tk.rms_norm(x, w, 1e-6), TORCH["rms_norm"](x, w, 1e-6), atol=1e-5, rtol=1e-5)
 
 
+def test_add_rms_norm_matches_torch(device):
+    gen = torch.Generator().manual_seed(32)
+    x, h = (3 * torch.randn(2, 3, 100, generator=gen)).to(device)
+    w = (0.1 * torch.randn(100, generator=gen)).to(device)
+    total, y = tk.add_rms_norm(x, h, w, 1e-6)
+    want_total, want_y = TORCH["add_rms_norm"](x, h, w, 1e-6)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+
+
 def test_gated_rms_norm_matches_torch(device):
     gen = torch.Generator().manual_seed(31)
     x, z = (3 * torch.randn(2, 6, 4, 24, generator=gen)).to(device)
