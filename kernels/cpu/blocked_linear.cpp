@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define PREFETCH_DISTANCE 32   // in k steps, i.e. 32 cache lines ahead in each W stream
