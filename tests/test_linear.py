@@ -211,7 +211,7 @@ def test_prepare_projections_blocks_float32_and_leaves_odd_shapes(block_every_si
 
 
 def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
-    monkeypatch.setattr(blocked_mod, "_library", lambda: None)
+    monkeypatch.setattr(blocked_mod, "native_ops", lambda: None)
     assert not native_available() and isinstance(choose_projection(torch.randn(1024, 1024)), PlainProjection)
 
 
