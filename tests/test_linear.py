@@ -4,7 +4,6 @@ x W^T; the native blocked kernel (kernels/cpu/blocked_linear.cpp) against F.line
 
 from __future__ import annotations
 
-import ctypes
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 from hybrid_engine.kernels.cpu import blocked as blocked_mod
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available
 from hybrid_engine.kernels.cpu import projection as projection_mod
-from hybrid_engine.kernels.cpu.build import load_library
+from hybrid_engine.kernels.cpu.ops import native_ops
 from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
 from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
                                                   WideningProjection, choose_projection, plain_linear)
@@ -112,9 +111,7 @@ def test_blocked_float32_many_rows_at_avx2_equals_each_row_alone(rows, k, thread
     explicitly, so the default run (at the native level) covers it too. Shapes: a partial last
     panel (70), several slices with a short last one (1100), several row blocks (515, 1030),
     threads splitting 3 blocks unevenly."""
-    lib = load_library(blocked_mod.SOURCE, "avx2")
-    product = lib.blocked_linear_f32
-    product.argtypes, product.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, ctypes.c_int
+    product = native_ops("avx2").blocked_linear.default
     g = torch.Generator().manual_seed(rows + k)
     n = 48
     w = torch.randn(n, k, generator=g)
@@ -122,13 +119,16 @@ def test_blocked_float32_many_rows_at_avx2_equals_each_row_alone(rows, k, thread
     wb = block_weight(w)
 
     def run(xs: torch.Tensor) -> torch.Tensor:
-        y = torch.full((xs.shape[0], n), float("nan"))
-        product(xs.data_ptr(), wb.data_ptr(), y.data_ptr(), xs.shape[0], n, k, threads)
-        return y
+        return product(xs, wb)
 
-    many = run(x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)          # the op runs on torch's thread count
+    try:
+        many = run(x)
+        few = torch.cat([run(x[i:i + 4].contiguous()) for i in range(0, rows, 4)])
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(many, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
-    few = torch.cat([run(x[i:i + 4].contiguous()) for i in range(0, rows, 4)])
     assert torch.equal(many, few)
 
 
@@ -243,7 +243,7 @@ def test_prepare_projections_blocks_float32_and_leaves_odd_shapes(block_every_si
 
 
 def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
-    monkeypatch.setattr(blocked_mod, "_library", lambda: None)
+    monkeypatch.setattr(blocked_mod, "native_ops", lambda: None)
     assert not native_available() and isinstance(choose_projection(torch.randn(1024, 1024)), PlainProjection)
 
 

@@ -13,6 +13,7 @@ from hybrid_engine.kernels import paged_attention
 from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
 from hybrid_engine.kernels.cpu import paged_attention as native
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
+from op_calls import recorded_calls
 
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
 
@@ -90,22 +91,21 @@ def _paged(q, cache, table, lens, compiled=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed, N, Q, nh, nkv, hd, block_size", [CASES[0], CASES[2], CASES[5]])
 def test_paged_attention_takes_the_native_kernel_where_it_runs(seed, N, Q, nh, nkv, hd, block_size, dtype,
-                                                               compiled, monkeypatch):
+                                                               compiled):
     """At a native level the op calls the kernel (eager and traced); at level none it keeps the
     gather + sdpa form. Either way the result is the reference's, in q's dtype."""
-    calls = []
-    kernel = native.paged_attention_native
-    monkeypatch.setattr(native, "paged_attention_native", lambda *a: calls.append(1) or kernel(*a))
     q, cache, table, lens = _case(seed, N, Q, nh, nkv, hd, block_size, dtype)
-    got = _paged(q, cache, table, lens, compiled)
+    with recorded_calls("paged_attention_decode") as calls:
+        got = _paged(q, cache, table, lens, compiled)
     assert got.dtype == dtype and bool(calls) == (cpu_level() != "none")
     tol = 2e-5 if dtype == torch.float32 else 1e-2        # the output is rounded to bf16
     torch.testing.assert_close(got.float(), _reference(q, cache, table, lens), atol=tol, rtol=tol)
 
 
-def test_long_queries_keep_the_torch_form(monkeypatch):
+def test_long_queries_keep_the_torch_form():
     """A uniform step of many new tokens per sequence (one prefill) is not the kernel's."""
-    monkeypatch.setattr(native, "paged_attention_native", lambda *a: pytest.fail("native kernel called"))
     q, cache, table, lens = _case(8, 1, 20, 8, 2, 32, 16, torch.float32)
-    torch.testing.assert_close(_paged(q, cache, table, lens), _reference(q, cache, table, lens),
-                               atol=1e-5, rtol=1e-5)
+    with recorded_calls("paged_attention_decode") as calls:
+        got = _paged(q, cache, table, lens)
+    assert not calls
+    torch.testing.assert_close(got, _reference(q, cache, table, lens), atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
 from checkpoints import make_hf_model, save_checkpoint
+from op_calls import recorded_calls
 from spec_models import make_spec_checkpoint
 
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
@@ -156,12 +157,9 @@ def test_native_declines_what_it_cannot_take():
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_update_takes_the_kernel_where_it_runs(dtype, compiled, monkeypatch):
+def test_the_update_takes_the_kernel_where_it_runs(dtype, compiled):
     """At a native level causal_conv1d_update calls the kernel (eagerly, and as one op of a
     compiled graph); at level none the torch form. The result is the torch form's either way."""
-    calls = []
-    kernel = native.conv_update_native
-    monkeypatch.setattr(native, "conv_update_native", lambda *a: calls.append(1) or kernel(*a))
     x, weight, pool, read, write = _case(11, 3, 3, 40, 4, dtype)
     want_pool = pool.clone()
     want = causal_conv1d_update_torch(x, weight, want_pool, read, write)
@@ -169,7 +167,8 @@ def test_the_update_takes_the_kernel_where_it_runs(dtype, compiled, monkeypatch)
     if compiled:
         op = torch.compile(op, backend="eager", fullgraph=True, dynamic=False)   # tracing, one graph
     # the step's rows, as the engine hands them down (the torch form would read them back)
-    got = op(x, weight, pool, read, write, DecodeRows.of_tensors(read, write))
+    with recorded_calls("causal_conv1d_update") as calls:
+        got = op(x, weight, pool, read, write, DecodeRows.of_tensors(read, write))
     assert bool(calls) == (cpu_level() != "none")
     assert_same_outputs(got, want)
     assert torch.equal(pool, want_pool)
@@ -178,15 +177,17 @@ def test_the_update_takes_the_kernel_where_it_runs(dtype, compiled, monkeypatch)
 # ---------------------------------------------------------------- the engine on the kernel
 
 def _counting_kernel(monkeypatch):
-    """Counts the kernel's calls by tokens per row (1: decode, k + 1: verify)."""
+    """Counts the kernel's calls by tokens per row (1: decode, k + 1: verify), where the layer
+    calls the op (the engine's steps run on a thread of their own, which a profiler started
+    here would not see)."""
     calls = {}
-    kernel = native.conv_update_native
+    kernel = causal_conv1d.conv_update_op
 
     def counted(x, *rest):
         calls[x.shape[1]] = calls.get(x.shape[1], 0) + 1
         return kernel(x, *rest)
 
-    monkeypatch.setattr(native, "conv_update_native", counted)
+    monkeypatch.setattr(causal_conv1d, "conv_update_op", counted)
     return calls
 
 

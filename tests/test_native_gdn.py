@@ -9,6 +9,7 @@ from hybrid_engine.kernels.cpu.isa import at_least
 from hybrid_engine.kernels.cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
 from hybrid_engine.kernels.gdn import recurrent
 from hybrid_engine.kernels.gdn.recurrent import _decode_in_place, _steps
+from hybrid_engine.kernels.slot_pool import DecodeRows
 
 pytestmark = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 
@@ -78,28 +79,43 @@ def test_rows_independent_refuses_what_parallel_rows_would_race_on():
     assert not rows_independent([-1, 7], [[-1], [7]])          # a padded read
 
 
-def test_the_dispatcher_takes_the_torch_form_where_rows_depend(monkeypatch):
-    """recurrent_gated_delta_rule falls back to the gathered copy for a write into another row's
-    read slot (all reads first), and takes the kernel otherwise."""
+def test_the_op_takes_rows_that_depend_on_each_other():
+    """Rows that write another row's read slot, or share a read slot, start from a copy of their
+    states gathered first (as the torch form's gather): equal to the torch form, and the rows'
+    reads see the states from before the step."""
+    B, T, H, dk, dv = 3, 2, 2, 16, 16
+    kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=3)
+    for read, write in (([0, 1, 2], [[1, 5], [2, 6], [7, 8]]),      # each row writes the next one's read slot
+                        ([4, 4, 9], [[4, 10], [11, 12], [13, 14]])):  # two rows read one slot
+        read, write = torch.tensor(read), torch.tensor(write)
+        assert not rows_independent(read.tolist(), write.tolist())
+        want_pool = pool.clone()
+        want = _steps(kq, decay, beta, v, want_pool, read, write)
+        got_pool = pool.clone()
+        got = gdn_recurrent_native(kq, decay, beta, v, got_pool, read, write)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dispatcher_takes_the_torch_form_for_rows_known_to_depend(monkeypatch):
+    """With the step's DecodeRows saying the rows depend on each other (the padded rows of
+    captured graphs), recurrent_gated_delta_rule takes the torch form; otherwise the kernel."""
     B, T, H, dk, dv = 2, 2, 2, 16, 16
     kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=3)
     q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
     read, write = torch.tensor([0, 1]), torch.tensor([[1, 2], [3, 4]])
-    want_pool = pool.clone()
-    want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
     calls = []
     native = recurrent.gdn_recurrent_native
     monkeypatch.setattr(recurrent, "gdn_recurrent_native", lambda *a: calls.append(1) or native(*a))
-    got = recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, pool, read, write)
-    assert not calls
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
-    write = torch.tensor([[0, 2], [1, 4]])
-    want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
-    got = recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, pool, read, write)
-    assert calls == [1]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
+    for rows, uses_kernel in ((DecodeRows.of_tensors(read, write), False), (None, True)):
+        want_pool = pool.clone()
+        want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
+        calls.clear()
+        got_pool = pool.clone()
+        got = recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, got_pool, read, write, rows=rows)
+        assert calls == ([1] if uses_kernel else [])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
 
 
 def test_native_refuses_slots_outside_the_pool():
@@ -116,26 +132,24 @@ def test_native_declines_what_it_cannot_take():
     assert not can_run_native(torch.zeros(2, 1, 8, 32, dtype=torch.float64))
 
 
-def test_compiled_graphs_call_the_kernel_as_one_op(monkeypatch):
-    """Under torch.compile the rule is the graph op hybrid_engine_cpu::gdn_recurrent, which
-    chooses its form at run time: the kernel for independent rows, the torch form for rows
-    that depend on each other; both equal to eager."""
+def test_compiled_graphs_call_the_kernel_as_one_op():
+    """Under torch.compile the rule is the op hybrid_engine_cpu::gdn_recurrent, one call in the
+    graph (C++: no Python at run time), for independent rows and for rows that depend on each
+    other alike; both equal to the torch form."""
     B, T, H, dk, dv = 2, 3, 4, 32, 32
     kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=11)
     q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
-    calls = []
-    native = recurrent.gdn_recurrent_native
-    monkeypatch.setattr(recurrent, "gdn_recurrent_native", lambda *a: calls.append(1) or native(*a))
     compiled = torch.compile(recurrent.recurrent_gated_delta_rule, fullgraph=True)
-    for read, write, uses_kernel in (([1, 4], [[1, 6, 7], [4, 8, 9]], True),
-                                     ([0, 1], [[1, 2, 3], [5, 6, 7]], False)):
+    for read, write in (([1, 4], [[1, 6, 7], [4, 8, 9]]), ([0, 1], [[1, 2, 3], [5, 6, 7]])):
         read, write = torch.tensor(read), torch.tensor(write)
         want_pool = pool.clone()
         want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool,
                                 read, write)
-        calls.clear()
+        compiled(q, k, v, decay.log(), beta, pool.clone(), read, write)       # traced (fakes) here
         got_pool = pool.clone()
-        got = compiled(q, k, v, decay.log(), beta, got_pool, read, write)
-        assert calls == ([1] if uses_kernel else [])
+        with torch.profiler.profile() as prof:
+            got = compiled(q, k, v, decay.log(), beta, got_pool, read, write)
+        ops = [e.name for e in prof.events() if e.name.startswith("hybrid_engine_cpu::")]
+        assert ops == ["hybrid_engine_cpu::gdn_recurrent"]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)

@@ -236,7 +236,7 @@ def _uses_torch_forms(monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_ops_take_the_kernel_where_it_runs(dtype, compiled, monkeypatch):
     """At a native level each public op calls the kernel eagerly; at level none, and traced by
-    torch.compile (one graph: no break at a ctypes call), the torch form. The result is the
+    torch.compile (one graph, no break), the torch form. The result is the
     torch form's either way."""
     calls = _count_kernel_calls(monkeypatch)
     g = torch.Generator().manual_seed(8)

@@ -10,25 +10,18 @@ layout is the same at every level of kernels/cpu/isa.py: only the kernel's vecto
 tiles, for many rows of x where the level has no bf16 dot product (AVX2); the same float32 FMAs
 in the same order as the default form, so the same results.
 
-The kernel is built on first use for the process's level (kernels/cpu/build.py) and called
-through ctypes. Where it cannot be built or run (level `none`, no compiler) `native_available()`
-is False and callers keep their unblocked weights.
-Under torch.compile the call is the graph op `hybrid_engine_cpu::blocked_linear` (graph_op.py),
-so inductor leaves it as one extern call.
+The kernel is the operator `hybrid_engine_cpu::blocked_linear` (ops.py: built on first use for
+the process's level, its checks and output allocation in C++), eagerly and in compiled graphs
+alike. Where it cannot be built or run (level `none`, no compiler) `native_available()` is False
+and callers keep their unblocked weights.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
-
 import torch
 
-from .build import load_library
-from .graph_op import define_graph_op
+from .ops import native_ops
 
-SOURCE = Path(__file__).with_name("blocked_linear.cpp")
 BLOCK = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -64,50 +57,10 @@ def can_block(weight: torch.Tensor) -> bool:
 
 
 def native_available() -> bool:
-    return _library() is not None
+    return native_ops() is not None
 
 
 def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] with the native kernel (`native_available()` must hold);
     widen: bf16 only, W's tiles widened to float32 once per call (see the module docstring)."""
-    if torch.compiler.is_compiling():
-        return _blocked_linear_op(x, w_blocked, widen)
-    return _blocked_linear_native(x, w_blocked, widen)
-
-
-def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool = False) -> torch.Tensor:
-    nb, steps = w_blocked.shape[:2]
-    k = x.shape[-1]
-    pairs = w_blocked.dim() == 4
-    if x.dtype != w_blocked.dtype or steps != ((k + 1) // 2 if pairs else k):
-        raise ValueError(f"blocked_linear: x {tuple(x.shape)} {x.dtype} does not fit a blocked "
-                         f"weight {tuple(w_blocked.shape)} {w_blocked.dtype}")
-    if widen and not pairs:
-        raise ValueError("blocked_linear: widen=True is for bfloat16 weights")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, nb * BLOCK, dtype=x.dtype)
-    if m:
-        lib = _library()
-        fn = (lib.blocked_linear_f32 if not pairs else
-              lib.blocked_linear_bf16_widened if widen else lib.blocked_linear_bf16)
-        fn(x2.data_ptr(), w_blocked.data_ptr(), y.data_ptr(), m, nb * BLOCK, k, torch.get_num_threads())
-    return y.reshape(*lead, nb * BLOCK)
-
-
-_blocked_linear_op = define_graph_op(
-    "blocked_linear(Tensor x, Tensor w_blocked, bool widen=False) -> Tensor", _blocked_linear_native,
-    lambda x, w_blocked, widen=False: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK))
-
-
-# ---- loading the kernel ------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE)
-    if lib is not None:
-        args = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-        for fn in (lib.blocked_linear_f32, lib.blocked_linear_bf16, lib.blocked_linear_bf16_widened):
-            fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
+    return torch.ops.hybrid_engine_cpu.blocked_linear.default(x, w_blocked, widen)

@@ -34,6 +34,7 @@
 
 #include <omp.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define PREFETCH_DISTANCE 32   // in k steps, i.e. 32 cache lines ahead in each W stream

@@ -1,19 +1,24 @@
-"""Builds a kernel's C++ source into a shared library on first use and loads it (ctypes).
+"""Builds the native kernels and their torch operators (ops.cpp) into one shared library per
+instruction-set level on first use, and loads it (torch.ops.load_library).
 
-Compiled with the machine's C++ compiler (`CXX`, else c++ / g++ / clang++) for an instruction-set
-level of kernels/cpu/isa.py (the process's own by default), never blindly for the build machine
-(-march=native would let the compiler use instructions the chosen level excludes). Built into a
-cache directory (HYBRID_ENGINE_CACHE_DIR, else ~/.cache/hybrid-engine), keyed by the source, the
-shared SIMD header, the compiler, the flags (so the level) and the CPU model, so later processes
-only load it. The libraries use OpenMP and run on torch's runtime (the libgomp.so.1 torch
-already loaded) with torch's thread count, passed per call. Returns None where a kernel cannot
-run: HYBRID_ENGINE_NATIVE_KERNELS=0, level `none`, or no working compiler (with a warning);
-callers then keep their torch paths.
+Compiled with the machine's C++ compiler (`CXX`, else c++ / g++ / clang++). Each kernel source is
+compiled for one level of kernels/cpu/isa.py (the process's own by default), never blindly for
+the build machine (-march=native would let the compiler use instructions the chosen level
+excludes). ops.cpp, which holds no SIMD code, is compiled once for every level and namespace,
+with torch's headers and no level flags (parsing those headers takes 10-20 s: a good part of
+the build); ops_namespace.cpp names the library's op namespace (build.namespace). The objects
+are compiled at once, then linked against torch. Objects and
+libraries go to a cache directory (HYBRID_ENGINE_CACHE_DIR, else ~/.cache/hybrid-engine), keyed by
+their sources and headers, the compiler, the flags (so the level), the torch version and the CPU
+model, so later processes only load the library. The kernels use OpenMP and run on torch's
+runtime (the libgomp.so.1 torch already loaded) with torch's thread count.
+
+`load_ops` returns None where the kernels cannot run: HYBRID_ENGINE_NATIVE_KERNELS=0, level
+`none`, or no working compiler (with a warning); callers then keep their torch paths.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -23,9 +28,19 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 from .isa import LEVELS, cpu_level
 
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("blocked_linear.cpp", "gdn_recurrent.cpp", "paged_attention.cpp",
+                                         "causal_conv1d_update.cpp", "rms_norm.cpp"))
+OPS_SOURCE = HERE / "ops.cpp"
+NAMESPACE_SOURCE = HERE / "ops_namespace.cpp"
+HEADERS = (HERE / "simd.h", HERE / "kernels.h")
+NAMESPACE = "hybrid_engine_cpu"
+
+KERNEL_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++17"]
 # What each level lets the compiler emit; the sources pick their vector width from the macros
 # these define (simd.h). -mtune only schedules for this CPU, it adds no instruction.
 LEVEL_FLAGS = {
@@ -35,26 +50,40 @@ LEVEL_FLAGS = {
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512bf16", "-mtune=native"],
 }
-SIMD_HEADER = Path(__file__).with_name("simd.h")
+# The wrappers only check, allocate and call: -O1 optimises them as well as -O3 and compiles
+# faster. C++20 and the ABI flag as torch's own extensions build.
+OPS_FLAGS = ["-O1", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+TORCH_DIR = Path(torch.__file__).parent
 
 
-@functools.lru_cache(maxsize=None)
-def load_library(source: Path, level: str | None = None) -> ctypes.CDLL | None:
-    """The kernel built for `level` (None: this process's level), or None where it cannot run.
+def namespace(level: str) -> str:
+    """The op namespace of `level`'s library: the process's own level defines `hybrid_engine_cpu`
+    (the ops every caller and compiled graph uses), a lower one `hybrid_engine_cpu_<level>`."""
+    return NAMESPACE if level == cpu_level() else f"{NAMESPACE}_{level}"
+
+
+def load_ops(level: str | None = None) -> torch._ops._OpNamespace | None:
+    """The ops built for `level` (None: this process's level), or None where they cannot run.
     A level above the process's is refused (ValueError): its code could fault here."""
     level = cpu_level() if level is None else level
     if level not in LEVELS or LEVELS.index(level) > LEVELS.index(cpu_level()):
-        raise ValueError(f"load_library: level {level!r} is not one this process may run "
+        raise ValueError(f"load_ops: level {level!r} is not one this process may run "
                          f"(its level is {cpu_level()})")
+    return _load(level)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(level: str) -> torch._ops._OpNamespace | None:
     if os.environ.get("HYBRID_ENGINE_NATIVE_KERNELS", "1") == "0" or level == "none":
         return None
     try:
-        return ctypes.CDLL(str(_build(source, level)))
+        torch.ops.load_library(str(_build(level)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip()[-500:]
-        warnings.warn(f"hybrid-engine: the native kernel {source.name} could not be built for {level} "
-                      f"({e}{': ' + detail if detail else ''}); using the torch path", stacklevel=2)
+        warnings.warn(f"hybrid-engine: the native kernels could not be built for {level} "
+                      f"({e}{': ' + detail if detail else ''}); using the torch paths", stacklevel=3)
         return None
+    return getattr(torch.ops, namespace(level))
 
 
 def _compiler() -> str:
@@ -64,21 +93,60 @@ def _compiler() -> str:
     raise OSError("no C++ compiler found (set CXX)")
 
 
-def _build(source: Path, level: str) -> Path:
+def _key(*parts: bytes | str) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _build(level: str) -> Path:
+    """The library for `level`: its objects compiled (in parallel) where the cache lacks them,
+    then linked against torch."""
     cxx = _compiler()
-    flags = [*FLAGS, *LEVEL_FLAGS[level]]
+    cache = Path(os.environ.get("HYBRID_ENGINE_CACHE_DIR", Path.home() / ".cache" / "hybrid-engine"))
     cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "")
-    key = hashlib.sha256(source.read_bytes() + SIMD_HEADER.read_bytes()
-                         + " ".join([cxx, *flags, cpu]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("HYBRID_ENGINE_CACHE_DIR", Path.home() / ".cache" / "hybrid-engine"))
-    target = cache / f"{source.stem}-{level}-{key}.so"
-    if target.exists():
-        return target
+    headers = b"".join(h.read_bytes() for h in HEADERS)
+    jobs = {}                                                    # object path -> compile command
+    kernel_flags = [*KERNEL_FLAGS, *LEVEL_FLAGS[level], f"-I{HERE}"]
+    for source in SOURCES:
+        key = _key(source.read_bytes(), headers, cxx, *kernel_flags, cpu)
+        jobs[cache / f"{source.stem}-{level}-{key}.o"] = [cxx, *kernel_flags, "-c", str(source)]
+    ops_flags = [*OPS_FLAGS, f"-I{HERE}", f"-isystem{TORCH_DIR / 'include'}"]
+    key = _key(OPS_SOURCE.read_bytes(), headers, cxx, *ops_flags, torch.__version__)
+    jobs[cache / f"ops-{key}.o"] = [cxx, *ops_flags, "-c", str(OPS_SOURCE)]
+    name_flags = ["-fPIC", f"-DHYBRID_ENGINE_OPS={namespace(level)}"]
+    key = _key(NAMESPACE_SOURCE.read_bytes(), cxx, *name_flags)
+    jobs[cache / f"ops_namespace-{namespace(level)}-{key}.o"] = [cxx, *name_flags, "-c", str(NAMESPACE_SOURCE)]
+    library = cache / f"{NAMESPACE}-{level}-{_key(*(p.name for p in jobs))}.so"
+    if library.exists():
+        return library
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:       # build aside, then rename: atomic
-        out = Path(tmp) / target.name
-        subprocess.run([cxx, *flags, f"-I{SIMD_HEADER.parent}", str(source), "-o", str(out)], check=True,
-                       capture_output=True, timeout=300)
-        os.replace(out, target)
-    return target
+        missing = {target: Path(tmp) / target.name for target in jobs if not target.exists()}
+        _run_all([[*jobs[target], "-o", str(out)] for target, out in missing.items()])
+        for target, out in missing.items():
+            os.replace(out, target)
+        out = Path(tmp) / library.name
+        _run_all([[cxx, "-shared", "-fopenmp", *map(str, jobs), f"-L{TORCH_DIR / 'lib'}", "-lc10", "-ltorch_cpu",
+                   f"-Wl,-rpath,{TORCH_DIR / 'lib'}", "-o", str(out)]])
+        os.replace(out, library)
+    return library
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Runs the commands at once; raises CalledProcessError (with stderr) for the first that fails."""
+    running = [(c, subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE)) for c in commands]
+    failed = None
+    for command, process in running:
+        try:
+            stdout, stderr = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        if process.returncode and failed is None:
+            failed = subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
+    if failed is not None:
+        raise failed

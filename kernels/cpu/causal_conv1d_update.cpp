@@ -29,6 +29,7 @@
 
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -192,11 +193,8 @@ int run(const T* x, const TW* weight, T* pool, const int64_t* read, const int64_
 }  // namespace
 
 // One entry per (activation dtype, weight dtype): f32 = float32, bf16 = bfloat16 bits.
-#define ENTRY(name, T, TW)                                                                         \
-  extern "C" int name(const T* x, const TW* weight, T* pool, const int64_t* read, const int64_t* write, \
-                      T* y, int64_t S, int B, int Tn, int D, int K, int64_t sb, int64_t st, int threads) { \
-    return run(x, weight, pool, read, write, y, S, B, Tn, D, K, sb, st, threads);                 \
-  }
+#define ENTRY(name, T, TW) \
+  CONV_UPDATE_ENTRY(name, T, TW) { return run(x, weight, pool, read, write, y, S, B, Tn, D, K, sb, st, threads); }
 ENTRY(conv_update_f32_f32, float, float)
 ENTRY(conv_update_bf16_bf16, uint16_t, uint16_t)
 ENTRY(conv_update_bf16_f32, uint16_t, float)

@@ -17,23 +17,27 @@
 // The next token reads the state where the previous one wrote it. A write slot may equal its
 // own row's read slot (plain decode; a verify's first token): each row of S is read before it
 // is written. Rows run in parallel, so the caller guarantees that no row writes a slot another
-// row reads, and that rows write distinct slots.
+// row reads, and that rows write distinct slots; where rows do read what another writes, the
+// caller gathers their first states into a copy and passes that as `read_pool` (ops.cpp).
 // kq: [B, T, H, 2, dk] (k, then the scaled q), decay/beta: [B, T, H], v: [B, T, H, dv] float32;
-// pool: [S, H, dk, dv] float32; read_slots: [B], write_slots: [B, T] int64; o: [B, T, H, dv].
-// Returns 0, or 1 for an unsupported dv, 2 for a slot outside the pool (nothing is computed).
+// read_pool: [R, H, dk, dv] float32, row b's first state at read_slots[b] (usually the pool
+// itself); pool: [S, H, dk, dv] float32; read_slots: [B], write_slots: [B, T] int64;
+// o: [B, T, H, dv]. Returns 0, or 1 for an unsupported dv, 2 for a slot outside its pool
+// (nothing is computed then).
 // One source for every level: rows of S are walked in vectors of simd::W floats (simd.h).
 #include <stdint.h>
 
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
-extern "C" int gdn_recurrent(const float* kq, const float* decay, const float* beta, const float* v,
-                             float* pool, const int64_t* read_slots, const int64_t* write_slots,
-                             float* o, int64_t S, int B, int T, int H, int dk, int dv, int threads) {
+int gdn_recurrent(const float* kq, const float* decay, const float* beta, const float* v,
+                  const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,
+                  const int64_t* write_slots, float* o, int B, int T, int H, int dk, int dv, int threads) {
   if (dv % 16 || dv > 512) return 1;
   for (int b = 0; b < B; b++) {
-    if (read_slots[b] < 0 || read_slots[b] >= S) return 2;
+    if (read_slots[b] < 0 || read_slots[b] >= R) return 2;
     for (int t = 0; t < T; t++)
       if (write_slots[(int64_t)b * T + t] >= S) return 2;
   }
@@ -41,7 +45,7 @@ extern "C" int gdn_recurrent(const float* kq, const float* decay, const float* b
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int bh = 0; bh < B * H; bh++) {
     const int b = bh / H, h = bh % H;
-    const float* src = pool + (read_slots[b] * H + h) * head_stride;
+    const float* src = read_pool + (read_slots[b] * H + h) * head_stride;
     std::vector<float> scratch;              // only for skipped writes (padding)
     float ks[512], qs[512], u[512];
     for (int t = 0; t < T; t++) {

@@ -1,19 +1,19 @@
 """The gated delta rule for decode and verify steps (T tokens per request, the state after each
 token written to its slot) with the native kernel gdn_recurrent.cpp: per token one read and
 one write of each state instead of the torch form's five passes, and one call per layer
-instead of ~8 ops per token (kernels/gdn/recurrent.py is the reference)."""
+instead of ~8 ops per token (kernels/gdn/recurrent.py is the reference).
+
+The call is the operator `hybrid_engine_cpu::gdn_recurrent` (ops.py, C++ from the checks to the
+kernel), eagerly and in compiled graphs alike. It takes any rows: where they are not
+`rows_independent` it starts them from a copy of their states, gathered first (as the torch
+form does), so that parallel rows cannot race on a slot."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
-
 import torch
 
-from .build import load_library
+from .ops import native_ops
 
-SOURCE = Path(__file__).with_name("gdn_recurrent.cpp")
 MAX_DV = 512
 
 
@@ -25,13 +25,14 @@ def can_run_native(state_pool: torch.Tensor) -> bool:
 
 @torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
 def native_available() -> bool:
-    return _library() is not None
+    return native_ops() is not None
 
 
 def rows_independent(read: list[int], write: list[list[int]]) -> bool:
-    """True when the kernel may run the rows in parallel: every read slot is valid and read by
-    one row, and no row writes a slot that another row reads. (The torch form gathers every
-    state before writing any, so it allows that; the engine's steps never need it.)"""
+    """True when the kernel may run the rows in parallel on the pool itself: every read slot is
+    valid and read by one row, and no row writes a slot that another row reads. (The torch form
+    gathers every state before writing any, so it allows that; so does the op, at the price of
+    that copy; the engine's steps never need it.) ops.cpp checks the same per call."""
     owner = {s: b for b, s in enumerate(read)}
     if len(owner) < len(read) or min(read, default=0) < 0:
         return False
@@ -43,27 +44,6 @@ def gdn_recurrent_native(kq: torch.Tensor, decay: torch.Tensor, beta: torch.Tens
                          ) -> torch.Tensor:
     """kq [B, T, H, 2, dk] (k, scaled q), decay/beta [B, T, H], v [B, T, H, dv] -> o [B, T, H, dv]
     float32. state_pool [S, H, dk, dv] float32: row b starts from read_slots[b]; the state after
-    token t goes to write_slots[b, t] (< 0: not kept). The rows must be `rows_independent`."""
-    B, T, H, _, dk = kq.shape
-    dv = v.shape[-1]
-    kq, decay, beta, v = (t.float().contiguous() for t in (kq, decay, beta, v))
-    read_slots = read_slots.to(torch.int64).contiguous()
-    write_slots = write_slots.to(torch.int64).contiguous()
-    o = torch.empty(B, T, H, dv)
-    err = _library().gdn_recurrent(kq.data_ptr(), decay.data_ptr(), beta.data_ptr(), v.data_ptr(),
-                                   state_pool.data_ptr(), read_slots.data_ptr(), write_slots.data_ptr(),
-                                   o.data_ptr(), state_pool.shape[0], B, T, H, dk, dv, torch.get_num_threads())
-    if err:
-        raise ValueError(f"gdn_recurrent: dv {dv} unsupported" if err == 1 else
-                         f"gdn_recurrent: a slot outside the pool of {state_pool.shape[0]} (read "
-                         f"{read_slots.tolist()}, write {write_slots.tolist()})")
-    return o
-
-
-@functools.lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE)
-    if lib is not None:
-        lib.gdn_recurrent.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_int] * 6
-        lib.gdn_recurrent.restype = ctypes.c_int
-    return lib
+    token t goes to write_slots[b, t] (< 0: not kept); rows must not share a write slot.
+    `can_run_native(state_pool)` must hold."""
+    return torch.ops.hybrid_engine_cpu.gdn_recurrent.default(kq, decay, beta, v, state_pool, read_slots, write_slots)

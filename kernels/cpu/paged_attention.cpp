@@ -25,6 +25,7 @@
 
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {

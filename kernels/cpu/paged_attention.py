@@ -4,26 +4,19 @@ in kernels/attention.py gathers all of them into a new tensor in every layer fir
 steps whose sequences all have the same small number Q of new tokens (1, or k + 1 when
 verifying k drafts); kernels/attention.py `naive_paged_attention` is its reference.
 
-Under torch.compile and eagerly alike the call is the graph op
-`hybrid_engine_cpu::paged_attention_decode` (graph_op.py): one extern call of the graph."""
+Under torch.compile and eagerly alike the call is the operator
+`hybrid_engine_cpu::paged_attention_decode` (ops.py, C++ from the checks to the kernel): one
+extern call of a graph."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
-
 import torch
 
-from .build import load_library
-from .graph_op import define_graph_op
+from .ops import native_ops
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 512
 MAX_ROWS = 128          # queries per sequence x query heads per kv head (the kernel's bound)
-_ERRORS = {1: "unsupported shape", 2: "a sequence shorter than its queries or longer than its block table",
-           3: "a block id outside the cache"}
 
 
 def can_run_native(kv_cache: torch.Tensor, num_heads: int, query_len: int) -> bool:
@@ -36,7 +29,7 @@ def can_run_native(kv_cache: torch.Tensor, num_heads: int, query_len: int) -> bo
 
 @torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
 def native_available() -> bool:
-    return _library(None) is not None
+    return native_ops() is not None
 
 
 def paged_attention_native(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -46,41 +39,14 @@ def paged_attention_native(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     block_tables [N, width] (entries past a sequence's blocks may hold anything); seq_lens [N]
     cached + new. level: the kernel built for that level of kernels/cpu/isa.py (None: this
     process's; tests run each level below it)."""
-    T, nh, hd = q.shape
-    N = seq_lens.shape[0]
-    num_blocks, _, bs, nkv, _ = kv_cache.shape
-    lib = _library(level)
-    if lib is None or kv_cache.dtype not in DTYPES or not kv_cache.is_contiguous():
-        raise ValueError(f"paged_attention_native: no kernel for a {kv_cache.dtype} cache at level {level}")
-    o = torch.empty(T, nh, hd)
-    if N == 0 or T == 0:
-        return o
-    q = q.float().contiguous()
-    block_tables = block_tables.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
-    fn = lib.paged_attention_f32 if kv_cache.dtype == torch.float32 else lib.paged_attention_bf16
-    err = fn(q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), o.data_ptr(),
-             num_blocks, N, T // N, nh, nkv, hd, bs, block_tables.shape[1], scale, torch.get_num_threads())
-    if err:
-        raise ValueError(f"paged_attention_native: {_ERRORS.get(err, err)} (q {tuple(q.shape)}, cache "
-                         f"{tuple(kv_cache.shape)}, block table {tuple(block_tables.shape)})")
-    return o
+    ops = native_ops(level)
+    if ops is None:
+        raise ValueError(f"paged_attention_native: no kernel at level {level}")
+    return ops.paged_attention_decode.default(q, kv_cache, block_tables, seq_lens, scale)
 
 
-def _native_op(q, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-    return paged_attention_native(q, kv_cache, block_tables, seq_lens, scale)
-
-
-paged_attention_op = define_graph_op(
-    "paged_attention_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) "
-    "-> Tensor", _native_op, lambda q, *_: q.new_empty(q.shape, dtype=torch.float32))
-
-
-@functools.lru_cache(maxsize=None)
-def _library(level: str | None) -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, level)
-    if lib is not None:
-        args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
-        for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
-            fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
+def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_attention_native at this process's level, where `can_run_native` holds (the form
+    callers and compiled graphs use: no lookup of the level's ops)."""
+    return torch.ops.hybrid_engine_cpu.paged_attention_decode.default(q, kv_cache, block_tables, seq_lens, scale)

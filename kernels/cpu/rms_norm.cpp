@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -189,22 +190,23 @@ void qk_norm_rope(const T* q, const T* k, const TW* qw, const TW* kw, const T* c
 
 }  // namespace
 
-// One set of entries per (activation dtype, weight dtype): f32 = float32, bf16 = bfloat16 bits.
+// One set of entries per (activation dtype, weight dtype): f32 = float32, bf16 = bfloat16 bits,
+// declared extern "C" in kernels.h.
 #define ENTRIES(xn, wn, T, TW)                                                                        \
-  extern "C" void rms_norm_##xn##_##wn(const T* x, const TW* w, T* y, int n0, int n1, int D, int64_t s0, \
+  void rms_norm_##xn##_##wn(const T* x, const TW* w, T* y, int n0, int n1, int D, int64_t s0, \
                                        int64_t s1, float eps, int threads) {                          \
     rms_norm(x, w, y, n0, n1, D, s0, s1, eps, threads);                                             \
   }                                                                                                  \
-  extern "C" void add_rms_norm_##xn##_##wn(const T* x, const T* h, const TW* w, T* sum, T* y, int rows, \
+  void add_rms_norm_##xn##_##wn(const T* x, const T* h, const TW* w, T* sum, T* y, int rows, \
                                            int D, int64_t sx, int64_t sh, float eps, int threads) {   \
     add_rms_norm(x, h, w, sum, y, rows, D, sx, sh, eps, threads);                                   \
   }                                                                                                  \
-  extern "C" void gated_rms_norm_##xn##_##wn(const T* x, const T* z, const TW* w, T* y, int n0, int n1, \
+  void gated_rms_norm_##xn##_##wn(const T* x, const T* z, const TW* w, T* y, int n0, int n1, \
                                              int D, int64_t sx0, int64_t sx1, int64_t sz0, int64_t sz1, \
                                              float eps, int threads) {                                \
     gated_rms_norm(x, z, w, y, n0, n1, D, sx0, sx1, sz0, sz1, eps, threads);                        \
   }                                                                                                  \
-  extern "C" void qk_norm_rope_##xn##_##wn(const T* q, const T* k, const TW* qw, const TW* kw,       \
+  void qk_norm_rope_##xn##_##wn(const T* q, const T* k, const TW* qw, const TW* kw,       \
                                            const T* cos, const T* sin, T* out, int tokens, int nh,    \
                                            int nkv, int hd, int rot, int64_t sq0, int64_t sq1,        \
                                            int64_t sk0, int64_t sk1, int64_t scs, float eps, int threads) { \

@@ -9,7 +9,8 @@ memory traffic on S (1 MB per request per layer at Qwen3.5-0.8B dims), not arith
 S' = a S + k u^T and u = beta (v - a S^T k), the output needs no second read of S':
 o = S'^T q = a S^T q + (k . q) u, so one bmm of the stacked [k; q] against S gives both reads.
 On CPU, where the native kernel builds (kernels/cpu/gdn_recurrent.cpp), decode and verify steps
-of any state size are one call per layer that reads and writes each state once per token.
+of any state size are one call per layer that reads and writes each state once per token (the
+operator hybrid_engine_cpu::gdn_recurrent, eagerly and in compiled graphs alike).
 The torch forms below serve everywhere else (and are the kernel's reference). Plain decode
 (T = 1, every request writing back to its read slot) with large states updates each request's
 state where it lives in the pool: gathering the batch into a copy and scattering it back would
@@ -25,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from ..cpu.gdn_recurrent import can_run_native, gdn_recurrent_native
-from ..cpu.graph_op import define_graph_op
 from ..slot_pool import DecodeRows, scatter_to_slots
 from .qk_norm import normalize_kq
 
@@ -55,8 +55,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     decay = g.float().exp()
     if can_run_native(state_pool) and (rows is None or rows.independent):   # any state size and T
         # One op, eager and under torch.compile alike (there an opaque call of the graph);
-        # without the step's rows it checks them itself, at run time.
-        o = _gdn_recurrent_op(kq, decay, beta, v, state_pool, read_slots, write_slots, rows is not None)
+        # without the step's rows it checks them itself, at run time, and copies the states of
+        # rows that depend on each other first.
+        o = gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots)
     else:
         o = _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots,
                         rows or DecodeRows.of_tensors(read_slots, write_slots))
@@ -77,23 +78,6 @@ def _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots, rows: D
     # A single plain decode needs no copy at any size: its one state is updated in its slot.
     in_place_slot = ids[0] if ids is not None and B == 1 else None
     return _steps(kq, decay, beta, v, state_pool, read_slots, write_slots, in_place_slot, rows.writes_valid)
-
-
-def _native(kq, decay, beta, v, state_pool, read_slots, write_slots, known_independent: bool):
-    """The graph op's body. known_independent: the caller knows the rows are independent;
-    False: checked here (a read-back, but the op runs eagerly even inside a compiled graph),
-    and rows that depend on each other take the torch form."""
-    if not known_independent:
-        rows = DecodeRows.of_tensors(read_slots, write_slots)
-        if not rows.independent:
-            return _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots, rows)
-    return gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots)
-
-
-_gdn_recurrent_op = define_graph_op(
-    "gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
-    "Tensor read_slots, Tensor write_slots, bool known_independent) -> Tensor", _native,
-    lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32))
 
 
 def _large(state_pool: torch.Tensor) -> bool:

@@ -1,0 +1,46 @@
+"""The native kernels as torch operators: `native_ops()` is `torch.ops.hybrid_engine_cpu` once
+the library (kernels/cpu/ops.cpp with the kernels, built by build.py) is loaded, or None where
+the kernels cannot run. Eager code and compiled graphs call the same ops: their CPU
+implementations are C++ (checks, casts, output allocation and the kernel call), so no call
+passes through Python; inductor leaves each as one extern call and traces the fakes below.
+
+A kernel becomes an op in four steps (the conv update as the example):
+  kernels.h   CONV_UPDATE_ENTRY(conv_update_f32_f32, float, float);     the C entry point
+  ops.cpp     Tensor causal_conv1d_update(const Tensor& x, ...) {...}   checks, allocates, calls
+              m.def("causal_conv1d_update(Tensor x, ..., Tensor(a!) window_pool, ...) -> Tensor");
+              m.impl("causal_conv1d_update", causal_conv1d_update);
+  build.py    SOURCES += causal_conv1d_update.cpp
+  ops.py      FAKES["causal_conv1d_update"] = the output's shape and dtype from the inputs'
+and the kernel's Python module calls `torch.ops.hybrid_engine_cpu.causal_conv1d_update.default`
+where its routing (can_run_native, decided once per call site from shapes and dtypes) allows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import load_ops
+
+BLOCK = 16          # output columns per block of a blocked weight (blocked.py)
+FAKES = {
+    "blocked_linear": lambda x, w_blocked, widen=False: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK),
+    "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
+    "paged_attention_decode": lambda q, *_: q.new_empty(q.shape, dtype=torch.float32),
+    "causal_conv1d_update": lambda x, *_: x.new_empty(x.shape),
+    "rms_norm": lambda x, *_: x.new_empty(x.shape),
+    "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
+    "gated_rms_norm": lambda x, *_: x.new_empty(x.shape),
+    "qk_norm_rope": lambda q, k, *_: q.new_empty(q.shape[0], q.shape[1] + k.shape[1], q.shape[2]),
+}
+_FAKES_REGISTERED: set[str] = set()
+
+
+def native_ops(level: str | None = None) -> torch._ops._OpNamespace | None:
+    """The ops built for `level` (None: this process's; a lower level's ops sit in a namespace
+    of their own, for tests), loaded on first use; None where they cannot run."""
+    ops = load_ops(level)
+    if ops is not None and ops.name not in _FAKES_REGISTERED:
+        for name, fake in FAKES.items():
+            torch.library.register_fake(f"{ops.name}::{name}", fake)
+        _FAKES_REGISTERED.add(ops.name)
+    return ops
