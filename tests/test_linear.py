@@ -360,3 +360,17 @@ def test_engine_with_every_projection_prepared_matches_its_reference(tmp_path, b
             ref_logp = torch.log_softmax(ref, dim=-1)[torch.arange(new), torch.tensor(out.token_ids)]
             bf16_error = (theirs - ref_logp).abs().max()
             assert (ours - theirs).abs().max() <= 0.25 * bf16_error, (ours - theirs).abs().max()
+
+
+def test_graph_ops_have_no_default_arguments():
+    """Inductor's C++ wrapper leaves out an argument equal to its schema default and hands the
+    dispatcher a shorter stack (torch 2.13): the op then reads that argument from past it. So
+    no graph op may declare defaults (blocked_linear's `widen` read True from garbage)."""
+    import hybrid_engine.kernels.cpu.causal_conv1d_update  # noqa: F401  (registers the graph ops)
+    import hybrid_engine.kernels.cpu.gdn_recurrent  # noqa: F401
+    import hybrid_engine.kernels.cpu.paged_attention  # noqa: F401
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("hybrid_engine_cpu::")]
+    assert "hybrid_engine_cpu::blocked_linear" in names
+    for name in names:
+        schema = torch._C._get_schema(name, "")
+        assert not [a.name for a in schema.arguments if a.has_default_value()], schema

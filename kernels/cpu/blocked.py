@@ -96,8 +96,12 @@ def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool
     return y.reshape(*lead, nb * BLOCK)
 
 
+# `widen` has no default in the schema: inductor's C++ wrapper leaves out arguments equal to
+# their default and hands the dispatcher a shorter stack (torch 2.13), so the op read `widen`
+# from past it: garbage, True at times (an MTP pass's lm_head failed with "widen=True is for
+# bfloat16 weights"). Without a default it is always passed.
 _blocked_linear_op = define_graph_op(
-    "blocked_linear(Tensor x, Tensor w_blocked, bool widen=False) -> Tensor", _blocked_linear_native,
+    "blocked_linear(Tensor x, Tensor w_blocked, bool widen) -> Tensor", _blocked_linear_native,
     lambda x, w_blocked, widen=False: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK))
 
 
