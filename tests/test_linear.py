@@ -296,7 +296,7 @@ def test_compiled_graphs_take_the_few_rows_copy_by_the_inputs_shape(block_every_
     import torch.fx.experimental._config as fx_config
     torch._dynamo.reset()
     f = torch.compile(lambda x: linear(x, proj), backend=backend)
-    blocked_op = torch.ops.hybrid_engine_cpu.blocked_linear.default
+    blocked_op = torch.ops.hybrid_engine_cpu.linear_blocked.default
     with fx_config.patch(backed_size_oblivious=True):     # as compiled steps trace: no 1-row graph
         for rows, graph in ((1, 0), (3, 0), (5, 1), (16, 1), (4, 0), (2, 0), (9, 1)):
             x = torch.randn(rows, 64).bfloat16()
@@ -365,12 +365,12 @@ def test_engine_with_every_projection_prepared_matches_its_reference(tmp_path, b
 def test_graph_ops_have_no_default_arguments():
     """Inductor's C++ wrapper leaves out an argument equal to its schema default and hands the
     dispatcher a shorter stack (torch 2.13): the op then reads that argument from past it. So
-    no graph op may declare defaults (blocked_linear's `widen` read True from garbage)."""
+    no graph op may declare defaults (linear_blocked's `widen` read True from garbage)."""
     import hybrid_engine.kernels.cpu.causal_conv1d_update  # noqa: F401  (registers the graph ops)
     import hybrid_engine.kernels.cpu.gdn_recurrent  # noqa: F401
     import hybrid_engine.kernels.cpu.paged_attention  # noqa: F401
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("hybrid_engine_cpu::")]
-    assert "hybrid_engine_cpu::blocked_linear" in names
+    assert "hybrid_engine_cpu::linear_blocked" in names
     for name in names:
         schema = torch._C._get_schema(name, "")
         assert not [a.name for a in schema.arguments if a.has_default_value()], schema

@@ -13,7 +13,7 @@ in the same order as the default form, so the same results.
 The kernel is built on first use for the process's level (kernels/cpu/build.py) and called
 through ctypes. Where it cannot be built or run (level `none`, no compiler) `native_available()`
 is False and callers keep their unblocked weights.
-Under torch.compile the call is the graph op `hybrid_engine_cpu::blocked_linear` (graph_op.py),
+Under torch.compile the call is the graph op `hybrid_engine_cpu::linear_blocked` (graph_op.py),
 so inductor leaves it as one extern call.
 """
 
@@ -99,9 +99,11 @@ def _blocked_linear_native(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool
 # `widen` has no default in the schema: inductor's C++ wrapper leaves out arguments equal to
 # their default and hands the dispatcher a shorter stack (torch 2.13), so the op read `widen`
 # from past it: garbage, True at times (an MTP pass's lm_head failed with "widen=True is for
-# bfloat16 weights"). Without a default it is always passed.
+# bfloat16 weights"). Without a default it is always passed. The op is named anew with that
+# schema: inductor's on-disk cache keys graphs by their code, not by the schemas of the ops
+# they call, and would serve graphs compiled for the old one (calls without `widen`).
 _blocked_linear_op = define_graph_op(
-    "blocked_linear(Tensor x, Tensor w_blocked, bool widen) -> Tensor", _blocked_linear_native,
+    "linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor", _blocked_linear_native,
     lambda x, w_blocked, widen=False: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK))
 
 
