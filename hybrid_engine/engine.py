@@ -145,12 +145,13 @@ class LLMEngine:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
 
     def _keyless_query_lens(self) -> frozenset[int]:
-        """The decode and verify lengths (1, 1 + k) whose attention reads no PagedKeys in any
-        layer, so that steps of them are built without. Compiled steps trace the keys' sizes."""
-        if self.config.enable_torch_compile:
-            return frozenset()
+        """The query lengths whose attention reads no PagedKeys in any layer, so that steps of
+        them are built without: decode and verify (1, 1 + k), and the MTP drafter's passes
+        (1..k+1 tokens per request). Compiled steps too: their graphs call
+        the same native kernel, which reads the block tables; no op of theirs read the keys,
+        which cost the steady state two scatters a step."""
         heads = self.model_config.num_attention_heads
-        return frozenset(q for q in {1, 1 + self.num_speculative_tokens}
+        return frozenset(q for q in range(1, self.num_speculative_tokens + 2)
                          if not any(needs_paged_keys(kv, heads, q) for kv in self.cache.kv_caches))
 
     def _decode_graphs(self) -> DecodeGraphs | None:

@@ -71,9 +71,10 @@ class StepInputBuilder:
                  keyless_query_lens: frozenset[int] = frozenset()):
         self.block_size = block_size
         self.k = num_speculative_tokens
-        # Steps whose sequences all have one of these numbers of new tokens get no attention
-        # keys (kernels/attention.py `needs_paged_keys`: the native CPU kernel serves them), and
-        # the steady state then has none to update. Fixed for the engine's life, by its kernels.
+        # Steps and MTP passes whose sequences all have one of these numbers of new tokens get no
+        # attention keys (kernels/attention.py `needs_paged_keys`: the native CPU kernel serves
+        # them), and the steady state then has none to update. Fixed for the engine's life, by
+        # its kernels.
         self.keyless_query_lens = keyless_query_lens
         self.kernels = backend_for(device)     # fixed for the engine's life, handed to every step
         # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers, and
@@ -309,7 +310,8 @@ class StepInputBuilder:
             state_slots=no_slots, has_initial_state=self.has_initial_state[:0],
             state_write_slots=self.state_write_slots[:0, :1], logits_indices=self.logits_indices[:0],
             num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
-            attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True),
+            attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True,
+                                       keyless=self.keyless_query_lens),
             decode_rows=None, chunks=None)
 
 

@@ -149,3 +149,27 @@ def test_zmm_instructions_are_counted_from_a_disassembly():
     ])
     assert bench.zmm_instructions(listing) == 2
     assert bench.zmm_instructions(listing.replace("zmm", "ymm")) == 0
+
+
+def test_the_default_model_converts_through_the_patched_converter(tmp_path, monkeypatch):
+    """--model default: the converter runs with its pre-tokenizer check patched, on the packaged
+    model, into default-<type>.gguf; an existing file is reused."""
+    ran = []
+
+    def fake_run(command, check, env):
+        ran.append(command)
+        Path(command[command.index("--outfile") + 1]).write_bytes(b"GGUF")
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    tree = tmp_path / "tree"
+    folder = bench.model_folder("default", tmp_path, None)
+    assert bench.model_config("default", folder)["vocab_size"] == 3072
+    out = bench.convert(tree, folder, "float32", tmp_path, "default")
+    assert out == tmp_path / "gguf" / "default-f32.gguf" and out.read_bytes() == b"GGUF"
+    (command,) = ran
+    assert command[1:4] == ["-c", bench.DEFAULT_MODEL_CONVERTER, str(tree)]
+    assert command[4:7] == [str(folder), "--outtype", "f32"]
+    assert 'get_vocab_base_pre = lambda self, tokenizer: "qwen35"' in command[2]
+    assert bench.convert(tree, folder, "float32", tmp_path, "default") == out and len(ran) == 1
+    bench.convert(tree, folder, "bfloat16", tmp_path, "0.8b")
+    assert ran[1][1] == str(tree / "convert_hf_to_gguf.py")
+    assert Path(ran[1][ran[1].index("--outfile") + 1]).parent == tmp_path / "gguf"

@@ -141,6 +141,40 @@ def test_decode_steps_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
     assert tokens[None] == tokens[frozenset()]
 
 
+def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
+    """With k drafts the engine leaves the keys out of every query length 1..k+1 the native
+    kernel serves in all attention layers (the MTP layer's included), the drafter's passes too,
+    with the tokens of a run that keeps them."""
+    from hybrid_engine.kernels.attention import needs_paged_keys
+    k, tokens, keys_seen = 3, {}, {}
+    for keyless in (None, frozenset()):
+        engine = _engine(ckpt, keyless, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        build_mtp = engine.builder.build_mtp
+        seen = keys_seen[keyless] = set()
+
+        def recording(segs, build_mtp=build_mtp, seen=seen):
+            batch = build_mtp(segs)
+            if len({n for _, n, _ in segs}) == 1:
+                seen.add((segs[0][1], batch.attention.keys is not None))
+            return batch
+        engine.builder.build_mtp = recording
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        ids = [engine.add_request([3, 1, 4, 1, 5][:n], params) for n in (2, 5)]
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o.token_ids) for o in engine.step())
+        tokens[keyless] = [outs[i] for i in ids]
+        if keyless is None:
+            heads = engine.model_config.num_attention_heads
+            served = {q for q in range(1, k + 2)
+                      if not any(needs_paged_keys(kv, heads, q) for kv in engine.cache.kv_caches)}
+            assert engine.builder.keyless_query_lens == frozenset(served)
+    assert {n for n, _ in keys_seen[None]} & {1, 2}          # drafts and some catch-ups ran
+    assert keys_seen[None] == {(n, n not in served) for n, _ in keys_seen[None]}
+    assert {has for _, has in keys_seen[frozenset()]} == {True}
+    assert tokens[None] == tokens[frozenset()]
+
+
 def test_earlier_outputs_do_not_change(ckpt):
     engine = _engine(ckpt)
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=9, logprobs=2, ignore_eos=True)

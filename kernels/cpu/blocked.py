@@ -10,7 +10,7 @@ layout is the same at every level of kernels/cpu/isa.py: only the kernel's vecto
 tiles, for many rows of x where the level has no bf16 dot product (AVX2); the same float32 FMAs
 in the same order as the default form, so the same results.
 
-The kernel is the operator `hybrid_engine_cpu::blocked_linear` (ops.py: built on first use for
+The kernel is the operator `hybrid_engine_cpu::linear_blocked` (ops.py: built on first use for
 the process's level, its checks and output allocation in C++), eagerly and in compiled graphs
 alike. Where it cannot be built or run (level `none`, no compiler) `native_available()` is False
 and callers keep their unblocked weights.
@@ -63,4 +63,4 @@ def native_available() -> bool:
 def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] with the native kernel (`native_available()` must hold);
     widen: bf16 only, W's tiles widened to float32 once per call (see the module docstring)."""
-    return torch.ops.hybrid_engine_cpu.blocked_linear.default(x, w_blocked, widen)
+    return torch.ops.hybrid_engine_cpu.linear_blocked.default(x, w_blocked, widen)

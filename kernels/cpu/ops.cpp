@@ -396,7 +396,12 @@ Tensor qk_norm_rope_op(const Tensor& q, const Tensor& k, const Tensor& q_weight_
 // ---- the ops ----------------------------------------------------------------------------------
 
 void define_ops(torch::Library& m) {
-  m.def("blocked_linear(Tensor x, Tensor w_blocked, bool widen=False) -> Tensor");
+  // No schema defaults: inductor's C++ wrapper leaves out an argument equal to its default and
+  // hands the dispatcher a shorter stack (torch 2.13), so the kernel would read it from past the
+  // end (linear_blocked's `widen` read True from garbage in an MTP pass). The blocked product is
+  // named linear_blocked since: inductor's on-disk cache keys graphs by their code, not by the
+  // schemas of the ops they call, and would serve graphs compiled for the old schema.
+  m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
@@ -411,7 +416,7 @@ void define_ops(torch::Library& m) {
 }
 
 void cpu_impls(torch::Library& m) {
-  m.impl("blocked_linear", blocked_linear_op);
+  m.impl("linear_blocked", blocked_linear_op);
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);

@@ -23,7 +23,7 @@ from .build import load_ops
 
 BLOCK = 16          # output columns per block of a blocked weight (blocked.py)
 FAKES = {
-    "blocked_linear": lambda x, w_blocked, widen=False: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK),
+    "linear_blocked": lambda x, w_blocked, widen: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK),
     "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
     "paged_attention_decode": lambda q, *_: q.new_empty(q.shape, dtype=torch.float32),
     "causal_conv1d_update": lambda x, *_: x.new_empty(x.shape),

@@ -6,7 +6,7 @@ projection and know no layout.
 Layouts, by what the process's level allows (kernels/cpu/isa.py):
 
 - Plain: the weight as loaded. Small weights stay plain: a product of a few hundred KB is over
-  in microseconds, and the native kernel's call (ctypes, output allocation) costs a few more
+  in microseconds, and the native kernel's call (dispatch, output allocation) costs a few more
   than MKL's (the default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when
   blocked). For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
   (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
