@@ -25,7 +25,6 @@
 // contiguous (a column slice of the layer's projection); y: [B, T, D] contiguous.
 // Returns 0, 1 for an unsupported K, 2 for a slot outside the pool (nothing is computed then).
 #include <stdint.h>
-#include <string.h>
 
 #include <vector>
 
@@ -46,32 +45,9 @@ constexpr int64_t GRAIN = 32768;
 // whose rows sit a multiple of 4 KB apart and so contend for the same L1 sets.
 constexpr int CHUNK_GROUPS = 32;
 
-inline simd::F load_n(const float* p, int n) {            // n <= V values, zeros past them
-  if (n == V) return simd::load(p);
-  float t[V] = {};
-  memcpy(t, p, n * sizeof(float));
-  return simd::load(t);
-}
-inline simd::F load_n(const uint16_t* p, int n) {
-  if (n == V) return simd::load_bf16(p);
-  uint16_t t[V] = {};
-  memcpy(t, p, n * sizeof(uint16_t));
-  return simd::load_bf16(t);
-}
-inline void store_n(float* p, simd::F v, int n) {
-  if (n == V) return simd::store(p, v);
-  float t[V];
-  simd::store(t, v);
-  memcpy(p, t, n * sizeof(float));
-}
-inline void store_n(uint16_t* p, simd::F v, int n) {
-  if (n == V) return simd::store_bf16(p, v);
-  uint16_t t[V];
-  simd::store_bf16(t, v);
-  memcpy(p, t, n * sizeof(uint16_t));
-}
-inline simd::F round_to(simd::F v, const float*) { return v; }
-inline simd::F round_to(simd::F v, const uint16_t*) { return simd::round_bf16(v); }
+using simd::load_n;
+using simd::round_to;
+using simd::store_n;
 
 inline int count(int left) { return left < 0 ? 0 : left < V ? left : V; }     // of one vector
 

@@ -16,7 +16,6 @@
 // outputs are contiguous [n0 * n1, D].
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "kernels.h"
 #include "simd.h"
@@ -29,33 +28,9 @@ constexpr int V = simd::W;
 constexpr int64_t GRAIN = 32768;
 constexpr int MAX_HEAD_DIM = 1024;      // the q/k row buffer; kernels/cpu/rms_norm.py checks it
 
-inline simd::F load_n(const float* p, int n) {            // n <= V values, zeros past them
-  if (n == V) return simd::load(p);
-  float t[V] = {};
-  memcpy(t, p, n * sizeof(float));
-  return simd::load(t);
-}
-inline simd::F load_n(const uint16_t* p, int n) {
-  if (n == V) return simd::load_bf16(p);
-  uint16_t t[V] = {};
-  memcpy(t, p, n * sizeof(uint16_t));
-  return simd::load_bf16(t);
-}
-inline void store_n(float* p, simd::F v, int n) {
-  if (n == V) return simd::store(p, v);
-  float t[V];
-  simd::store(t, v);
-  memcpy(p, t, n * sizeof(float));
-}
-inline void store_n(uint16_t* p, simd::F v, int n) {
-  if (n == V) return simd::store_bf16(p, v);
-  uint16_t t[V];
-  simd::store_bf16(t, v);
-  memcpy(p, t, n * sizeof(uint16_t));
-}
-// v rounded to T's precision, kept as float (a no-op for float32)
-inline simd::F round_to(simd::F v, const float*) { return v; }
-inline simd::F round_to(simd::F v, const uint16_t*) { return simd::round_bf16(v); }
+using simd::load_n;
+using simd::round_to;
+using simd::store_n;
 
 inline int width(int D, int i) { return D - i < V ? D - i : V; }
 

@@ -157,4 +157,33 @@ inline float bits_to_float(uint32_t bits) {
   return f;
 }
 
+// n <= W values at p, as a vector with zeros past them (a row's tail), and back.
+inline F load_n(const float* p, int n) {
+  if (n == W) return load(p);
+  float t[W] = {};
+  __builtin_memcpy(t, p, n * sizeof(float));
+  return load(t);
+}
+inline F load_n(const uint16_t* p, int n) {
+  if (n == W) return load_bf16(p);
+  uint16_t t[W] = {};
+  __builtin_memcpy(t, p, n * sizeof(uint16_t));
+  return load_bf16(t);
+}
+inline void store_n(float* p, F v, int n) {
+  if (n == W) return store(p, v);
+  float t[W];
+  store(t, v);
+  __builtin_memcpy(p, t, n * sizeof(float));
+}
+inline void store_n(uint16_t* p, F v, int n) {
+  if (n == W) return store_bf16(p, v);
+  uint16_t t[W];
+  store_bf16(t, v);
+  __builtin_memcpy(p, t, n * sizeof(uint16_t));
+}
+// v rounded to the precision of the element type p points to, kept as float (float32: as is)
+inline F round_to(F v, const float*) { return v; }
+inline F round_to(F v, const uint16_t*) { return round_bf16(v); }
+
 }  // namespace simd
