@@ -6,11 +6,13 @@ with it as with the torch form, and as transformers'."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hybrid_engine import LLM, SamplingParams
+from hybrid_engine import LLM
 from hybrid_engine.kernels.conv import causal_conv1d
 from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_update_torch
 from hybrid_engine.kernels.cpu import causal_conv1d_update as native
@@ -18,6 +20,7 @@ from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
 from checkpoints import make_hf_model, save_checkpoint
+from engine_checks import assert_greedy_matches_transformers, greedy_tokens
 from op_calls import recorded_calls
 from spec_models import make_spec_checkpoint
 
@@ -196,15 +199,8 @@ def test_greedy_tokens_match_transformers_on_the_kernel(tmp_path, monkeypatch):
     hf = make_hf_model("qwen3_5", full_attention_interval=2)
     save_checkpoint(hf, tmp_path)
     calls = _counting_kernel(monkeypatch)
-    llm = LLM(model=str(tmp_path), dtype="float32", block_size=16)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 40)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert_greedy_matches_transformers(LLM(model=str(tmp_path), dtype="float32", block_size=16), hf)
     assert calls.get(1, 0) > 0
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert out.token_ids == ref[0, len(prompt):].tolist(), f"prompt len {len(prompt)}"
 
 
 @pytest.mark.skipif(not NATIVE_LEVELS, reason=NO_NATIVE)
@@ -213,14 +209,8 @@ def test_mtp_verify_on_the_kernel_equals_the_torch_form(tmp_path, monkeypatch, d
     """Speculative runs (verify steps of k + 1 tokens per row) give the same tokens with the
     kernel as with the torch form, and as the plain path without speculation."""
     folder = str(make_spec_checkpoint(tmp_path, embed_scale=1.6))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 50, 8)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-
-    def tokens(**config):
-        llm = LLM(model=folder, dtype=dtype, **config)
-        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = functools.partial(greedy_tokens, folder, dtype)
 
     calls = _counting_kernel(monkeypatch)
     on_kernel = tokens(speculative_config=spec)

@@ -7,16 +7,19 @@ with the torch forms, and as transformers'."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hybrid_engine import LLM, SamplingParams
+from hybrid_engine import LLM
 from hybrid_engine.kernels import fused, norm, rope_cos_sin
 from hybrid_engine.kernels.cpu import rms_norm as native
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 
 from checkpoints import make_hf_model, save_checkpoint
+from engine_checks import assert_greedy_matches_transformers, greedy_tokens
 from spec_models import make_spec_checkpoint
 
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
@@ -273,15 +276,8 @@ def test_greedy_tokens_match_transformers_on_the_kernel(tmp_path, monkeypatch):
     hf = make_hf_model("qwen3_5", full_attention_interval=2)
     save_checkpoint(hf, tmp_path)
     calls = _count_kernel_calls(monkeypatch)
-    llm = LLM(model=str(tmp_path), dtype="float32", block_size=16)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 40)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert_greedy_matches_transformers(LLM(model=str(tmp_path), dtype="float32", block_size=16), hf)
     assert set(calls) == {"rms_norm_native", "add_rms_norm_native", "gated_rms_norm_native", "qk_norm_rope_native"}
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert out.token_ids == ref[0, len(prompt):].tolist(), f"prompt len {len(prompt)}"
 
 
 @pytest.mark.skipif(not NATIVE_LEVELS, reason=NO_NATIVE)
@@ -290,14 +286,8 @@ def test_mtp_and_batched_runs_on_the_kernel_equal_the_torch_forms(tmp_path, monk
     """Speculative runs (verify steps, the MTP head's norms) and batched ones give the same tokens
     with the kernel as with the torch forms, and as the plain path without speculation."""
     folder = str(make_spec_checkpoint(tmp_path, embed_scale=1.6))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 50, 8)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-
-    def tokens(**config):
-        llm = LLM(model=folder, dtype=dtype, **config)
-        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = functools.partial(greedy_tokens, folder, dtype)
 
     calls = _count_kernel_calls(monkeypatch)
     on_kernel = tokens(speculative_config=spec)

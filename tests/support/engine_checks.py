@@ -19,3 +19,32 @@ def budget_for_blocks(engine, num_blocks: int) -> int:
     included) and prefix checkpoints, plus the blocks."""
     u = engine.cache.usage()
     return u["state_bytes_total"] + u["checkpoint_bytes_total"] + num_blocks * engine.cache.spec.bytes_per_block
+
+
+def assert_greedy_matches_transformers(llm, hf, lengths=(1, 9, 40), new_tokens: int = 24) -> None:
+    """Greedy tokens of `llm` equal transformers' generate on `hf` for random prompts of
+    `lengths` tokens (seed 0), `new_tokens` each."""
+    import torch
+
+    from hybrid_engine import SamplingParams
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False)
+        assert out.token_ids == ref[0, len(prompt):].tolist(), f"prompt len {len(prompt)}"
+
+
+def greedy_tokens(folder: str, dtype: str, **config) -> list[list[int]]:
+    """The greedy tokens (20 each) of an LLM of the checkpoint at `folder`, built with `config`,
+    for four random prompts of 3, 17, 50 and 8 tokens (seed 1)."""
+    import torch
+
+    from hybrid_engine import LLM, SamplingParams
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 50, 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(model=folder, dtype=dtype, **config)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
