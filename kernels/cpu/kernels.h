@@ -16,6 +16,15 @@ int gdn_recurrent(const float* kq, const float* decay, const float* beta, const 
                   const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,
                   const int64_t* write_slots, float* o, int B, int T, int H, int dk, int dv, int threads);
 
+// The GDN decode step after the conv (gdn_decode.cpp), activations float32 or bf16 bits.
+#define GDN_DECODE_ENTRY(name, T)                                                                        \
+  int name(const T* u, const T* b, const T* a, int64_t sb0, int64_t sb1, int64_t sa0, int64_t sa1,          \
+           const float* dt_bias, const float* neg_decay, const float* read_pool, int64_t R, float* pool,     \
+           int64_t S, const int64_t* read_slots, const int64_t* write_slots, T* o, int B, int Tn, int Hk,    \
+           int H, int dk, int dv, float scale, int threads)
+GDN_DECODE_ENTRY(gdn_decode_f32, float);
+GDN_DECODE_ENTRY(gdn_decode_bf16, uint16_t);
+
 int paged_attention_f32(const float* q, const float* cache, const int64_t* block_tables, const int64_t* seq_lens,
                         float* o, int64_t num_blocks, int N, int Q, int nh, int nkv, int hd, int bs, int width,
                         float scale, int threads);

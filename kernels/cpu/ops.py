@@ -27,6 +27,8 @@ FAKES = {
     "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
     "paged_attention_decode": lambda q, *_: q.new_empty(q.shape, dtype=torch.float32),
     "causal_conv1d_update": lambda x, *_: x.new_empty(x.shape),
+    "gdn_decode": lambda mixed, b, a, conv_weight, conv_pool, dt_bias, neg_decay_rate, state_pool, *_:
+        mixed.new_empty(*mixed.shape[:2], state_pool.shape[1], state_pool.shape[3]),
     "rms_norm": lambda x, *_: x.new_empty(x.shape),
     "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
     "gated_rms_norm": lambda x, *_: x.new_empty(x.shape),
