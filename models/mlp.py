@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_engine import kernels
+
 from .config import ModelConfig
 from .linear import linear, merge_projections
 
@@ -21,8 +23,10 @@ class SwiGLU(nn.Module):
         merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        # silu(gate) * up in one op where the device has it (one call for the chunk, silu and
+        # mul). The module-level op picks its backend by x's device: the block is called
+        # without the step's ForwardBatch, so it cannot take the engine's bound ops.
+        return linear(kernels.silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 class Experts(nn.Module):

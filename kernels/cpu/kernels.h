@@ -41,6 +41,10 @@ CONV_UPDATE_ENTRY(conv_update_bf16_bf16, uint16_t, uint16_t);
 CONV_UPDATE_ENTRY(conv_update_bf16_f32, uint16_t, float);
 CONV_UPDATE_ENTRY(conv_update_f32_bf16, float, uint16_t);
 
+// The SwiGLU activation (silu_mul.cpp): y [rows, I] = silu(gate) * up of rows [gate | up].
+void silu_mul_f32(const float* x, float* y, int rows, int I, int64_t sx, int threads);
+void silu_mul_bf16(const uint16_t* x, uint16_t* y, int rows, int I, int64_t sx, int threads);
+
 // The RMSNorms (rms_norm.cpp), activations in the first dtype, the weight in the second. Rows
 // (i, j), i < n0 and j < n1, sit at base + i * s0 + j * s1 elements, the last dim contiguous.
 #define RMS_NORM_ENTRIES(xn, wn, T, TW)                                                                      \

@@ -494,6 +494,28 @@ Tensor qk_norm_rope_op(const Tensor& q, const Tensor& k, const Tensor& q_weight_
   return out;
 }
 
+// ---- silu_mul.cpp -----------------------------------------------------------------------------
+
+// x [..., 2I] (rows [gate | up], the last dim contiguous) -> silu(gate) * up [..., I], x's dtype.
+Tensor silu_mul_op(const Tensor& x) {
+  const int64_t D = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK_VALUE(conv_dtype(x.scalar_type()) && x.dim() >= 1 && D % 2 == 0,
+                    "silu_mul: no kernel for x ", dtype_name(x), " ", shape(x),
+                    " (float32 or bfloat16, an even last dim [gate | up])");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = D / 2;
+  Tensor y = at::empty(sizes, x.options());
+  if (y.numel() == 0) return y;
+  const Tensor rows = rows_of(x, D);
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_f32(rows.const_data_ptr<float>(), y.mutable_data_ptr<float>(), rows.size(0), D / 2, rows.stride(0),
+                 threads());
+  else
+    silu_mul_bf16(static_cast<const uint16_t*>(rows.const_data_ptr()), static_cast<uint16_t*>(y.mutable_data_ptr()),
+                  rows.size(0), D / 2, rows.stride(0), threads());
+  return y;
+}
+
 // ---- the ops ----------------------------------------------------------------------------------
 
 void define_ops(torch::Library& m) {
@@ -515,6 +537,7 @@ void define_ops(torch::Library& m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor h, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
   m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, "
         "Tensor sin) -> Tensor");
 }
@@ -529,6 +552,7 @@ void cpu_impls(torch::Library& m) {
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("gated_rms_norm", gated_rms_norm_op);
   m.impl("qk_norm_rope", qk_norm_rope_op);
+  m.impl("silu_mul", silu_mul_op);
 }
 
 // What TORCH_LIBRARY_FRAGMENT(ns, m) and TORCH_LIBRARY_IMPL(ns, CPU, m) expand to, with the

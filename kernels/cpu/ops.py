@@ -32,6 +32,7 @@ FAKES = {
     "rms_norm": lambda x, *_: x.new_empty(x.shape),
     "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
     "gated_rms_norm": lambda x, *_: x.new_empty(x.shape),
+    "silu_mul": lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2),
     "qk_norm_rope": lambda q, k, *_: q.new_empty(q.shape[0], q.shape[1] + k.shape[1], q.shape[2]),
 }
 _FAKES_REGISTERED: set[str] = set()
