@@ -222,7 +222,13 @@ def test_gdn_decode_takes_the_op_where_it_runs(torch_forms, dtype, compiled):
         got = case.run(op, rows=rows)
     ops = [e.name for e in prof.events() if e.name.startswith("hybrid_engine_cpu")]
     assert ops == (["hybrid_engine_cpu::gdn_decode"] if cpu_level() != "none" else [])
-    assert_same(got, want)
+    if compiled and cpu_level() == "none" and dtype == torch.bfloat16:
+        # inductor's fused torch form keeps some of the eager form's bf16 roundings in float32
+        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+        assert torch.equal(got[1], want[1])                             # the windows: copies
+        torch.testing.assert_close(got[2], want[2], rtol=2e-2, atol=2e-2)
+    else:
+        assert_same(got, want)
 
 
 # ---------------------------------------------------------------- the engine on the op
