@@ -6,7 +6,6 @@ below pick their backend per call (kernels/dispatch.py: triton on CUDA tensors w
 torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
 """
 
-from . import activation as _activation
 from . import attention as _attention
 from . import conv as _conv
 from . import fused as _fused
@@ -30,7 +29,6 @@ qk_norm_rope = dispatched(_fused.qk_norm_rope)
 recurrent_gated_delta_rule = dispatched(_gdn.recurrent_gated_delta_rule)
 recurrent_gated_delta_rule_fused_gating = dispatched(_fused.recurrent_gated_delta_rule_fused_gating)
 rms_norm = dispatched(_norm.rms_norm)
-silu_mul = dispatched(_activation.silu_mul)
 write_kv_cache = dispatched(_attention.write_kv_cache)
 
 _DISPATCHED = {name: op.torch_op for name, op in list(globals().items()) if hasattr(op, "torch_op")}
@@ -61,7 +59,6 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin",
     "set_backend",
-    "silu_mul",
     "using_backend",
     "write_kv_cache",
 ]

@@ -1,4 +1,7 @@
-"""The SwiGLU MLP's activation: silu(gate) * up, of the merged gate_up projection's output."""
+"""The SwiGLU MLP's activation: silu(gate) * up, of the merged gate_up projection's output.
+
+Not a backend op (kernels/dispatch.py): the choice is by the tensor alone, the native kernel for
+eager CPU calls and the torch ops everywhere else (inductor and a GPU fuse those themselves)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_engine import kernels
+from hybrid_engine.kernels.activation import silu_mul
 
 from .config import ModelConfig
 from .linear import linear, merge_projections
@@ -23,10 +23,9 @@ class SwiGLU(nn.Module):
         merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up in one op where the device has it (one call for the chunk, silu and
-        # mul). The module-level op picks its backend by x's device: the block is called
-        # without the step's ForwardBatch, so it cannot take the engine's bound ops.
-        return linear(kernels.silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
+        # silu(gate) * up: one native call for eager CPU steps, else the torch ops (as `linear`
+        # does for the products, by the tensor alone: no backend to look up per call).
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 class Experts(nn.Module):

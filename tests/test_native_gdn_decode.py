@@ -187,6 +187,17 @@ def test_native_refuses_slots_outside_the_pool():
         assert torch.equal(case.conv_pool, conv_before) and torch.equal(case.state_pool, state_before)
 
 
+@pytest.mark.skipif(not NATIVE_LEVELS, reason=NO_NATIVE)
+def test_native_refuses_heads_it_cannot_take_before_the_conv():
+    """dv not a multiple of 16: refused with both pools as they were (the conv runs first)."""
+    case = Case(12, 1, 1, 1, 1, 16, 40, 4, torch.float32)
+    conv_before, state_before = case.conv_pool.clone(), case.state_pool.clone()
+    with pytest.raises(ValueError, match="dv a multiple of 16"):
+        native_at(None)(case.mixed, case.b, case.a, case.conv_weight, case.dt_bias, case.neg_decay_rate,
+                        case.conv_pool, case.state_pool, case.read, case.write, case.scale)
+    assert torch.equal(case.conv_pool, conv_before) and torch.equal(case.state_pool, state_before)
+
+
 def test_native_declines_what_it_cannot_take():
     case = Case(10, 1, 1, 2, 4, 16, 16, 4, torch.float32)
     args = [case.mixed, case.b, case.a, case.conv_weight, case.conv_pool, case.state_pool]

@@ -306,7 +306,9 @@ Tensor gdn_decode_op(const Tensor& mixed, const Tensor& b, const Tensor& a, cons
             dv = state_pool.size(3);
   const int64_t D = mixed.size(2), key_dim = (D - (int64_t)H * dv) / 2;
   const int Hk = dk ? key_dim / dk : 0;
-  const bool heads = Hk > 0 && 2 * (int64_t)Hk * dk + (int64_t)H * dv == D && H % Hk == 0 &&
+  // the kernel's own limits checked here too, so that the conv before it leaves its pool as is
+  const bool heads = Hk > 0 && 2 * (int64_t)Hk * dk + (int64_t)H * dv == D && H % Hk == 0 && dv % 16 == 0 &&
+                     dv <= 512 && dk <= 512 &&
                      conv_weight_in.size(0) == D && conv_pool.size(1) == D &&
                      conv_pool.size(2) == conv_weight_in.size(1) - 1;
   const std::vector<int64_t> gate_shape{B, T, H};
@@ -314,7 +316,8 @@ Tensor gdn_decode_op(const Tensor& mixed, const Tensor& b, const Tensor& a, cons
                      a.scalar_type() == xt && b.stride(2) == 1 && a.stride(2) == 1 && dt_bias.numel() == H &&
                      neg_decay_rate.numel() == H && conv_dtype(dt_bias.scalar_type()) &&
                      conv_dtype(neg_decay_rate.scalar_type());
-  TORCH_CHECK_VALUE(heads && gates, "gdn_decode: mixed ", shape(mixed), " (D = 2 Hk dk + H dv), b ", shape(b),
+  TORCH_CHECK_VALUE(heads && gates, "gdn_decode: mixed ", shape(mixed),
+                    " (D = 2 Hk dk + H dv; dv a multiple of 16 up to 512, dk up to 512), b ", shape(b),
                     " and a ", shape(a), " (", dtype_name(b), ", ", dtype_name(a), ", [B, T, H] in mixed's dtype), ",
                     "dt_bias ", shape(dt_bias), " and neg_decay_rate ", shape(neg_decay_rate),
                     " do not fit the states ", shape(state_pool), " and conv ", shape(conv_weight_in), ", ",

@@ -5,7 +5,6 @@ fla takes seconds). On CPU tensors these kernels run only under TRITON_INTERPRET
 `interpreter_shim.install()` applied, which is how tests/triton checks them.
 """
 
-from ..activation import silu_mul_torch as silu_mul   # one elementwise op: no kernel of its own
 from .attention import paged_attention, write_kv_cache
 from .conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows_at
 from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, recurrent_gated_delta_rule_fused_gating
@@ -26,6 +25,5 @@ __all__ = [
     "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_fused_gating",
     "rms_norm",
-    "silu_mul",
     "write_kv_cache",
 ]
