@@ -23,6 +23,7 @@ causal_conv1d_varlen = dispatched(_conv.causal_conv1d_varlen)
 conv_windows_at = dispatched(_conv.conv_windows_at)
 chunk_gated_delta_rule = dispatched(_gdn.chunk_gated_delta_rule)
 gated_rms_norm = dispatched(_norm.gated_rms_norm)
+gdn_decode = dispatched(_fused.gdn_decode)
 paged_attention = dispatched(_attention.paged_attention)
 qk_norm_rope = dispatched(_fused.qk_norm_rope)
 recurrent_gated_delta_rule = dispatched(_gdn.recurrent_gated_delta_rule)
@@ -48,6 +49,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "conv_windows_at",
     "gated_rms_norm",
+    "gdn_decode",
     "get_backend",
     "naive_gated_delta_rule",
     "paged_attention",

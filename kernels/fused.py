@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .conv import causal_conv1d_update
+from .cpu import gdn_decode as native_gdn_decode
 from .cpu.rms_norm import can_run_qk_norm_rope, qk_norm_rope_native
 from .gdn import recurrent_gated_delta_rule
 from .norm import rms_norm_torch
@@ -60,3 +62,47 @@ def recurrent_gated_delta_rule_fused_gating(q: torch.Tensor, k: torch.Tensor, v:
     beta = torch.sigmoid(b.float())
     return recurrent_gated_delta_rule(q, k, v, g, beta, state_pool, read_slots, write_slots,
                                       scale, use_qk_l2norm, rows)
+
+
+def gdn_decode(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+               dt_bias: torch.Tensor, neg_decay_rate: torch.Tensor, conv_pool: torch.Tensor,
+               state_pool: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
+               scale: float | None = None, rows: DecodeRows | None = None) -> torch.Tensor:
+    """The GDN layer's decode and verify segments from its projections: the conv update (+SiLU)
+    of mixed, then the gated delta rule on its q, k, v with the gates computed from b and a
+    (beta = sigmoid(b) in the activations' dtype, g = neg_decay_rate * softplus(a + dt_bias) in
+    fp32), q and k l2-normed and q scaled (dk^-0.5 by default).
+
+    mixed: [B, T, conv_dim] pre-conv q|k|v (head-major; conv_dim = 2 Hk dk + Hv dv); b, a:
+    [B, T, Hv], mixed's dtype; conv_weight: [conv_dim, K]; dt_bias: [Hv]; neg_decay_rate: [Hv]
+    fp32 (-exp(A_log)); conv_pool [S, conv_dim, K-1] and state_pool [S, Hv, dk, dv] fp32,
+    modified in place; slots and rows as recurrent_gated_delta_rule. Returns o: [B, T, Hv, dv]
+    in mixed.dtype.
+
+    On CPU, where the native kernels run (kernels/cpu/gdn_decode.py), the call is one op, eager
+    and compiled alike; the torch form below serves everywhere else and is its reference.
+    """
+    dk = state_pool.shape[2]
+    scale = dk ** -0.5 if scale is None else scale
+    if (native_gdn_decode.can_run_native(mixed, b, a, conv_weight, conv_pool, state_pool)
+            and (rows is None or rows.independent)):
+        return native_gdn_decode.gdn_decode_op(mixed, b, a, conv_weight, conv_pool, dt_bias, neg_decay_rate,
+                                               state_pool, read_slots, write_slots, scale)
+    return gdn_decode_torch(mixed, b, a, conv_weight, dt_bias, neg_decay_rate, conv_pool, state_pool,
+                            read_slots, write_slots, scale, rows)
+
+
+def gdn_decode_torch(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                     dt_bias: torch.Tensor, neg_decay_rate: torch.Tensor, conv_pool: torch.Tensor,
+                     state_pool: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
+                     scale: float | None = None, rows: DecodeRows | None = None) -> torch.Tensor:
+    """gdn_decode as the plain ops in sequence (the same contract)."""
+    B, T, _ = mixed.shape
+    _, hv, dk, dv = state_pool.shape
+    key_dim = (mixed.shape[-1] - hv * dv) // 2
+    beta = torch.sigmoid(b)                                       # activation dtype, as HF
+    g = neg_decay_rate * F.softplus(a.float() + dt_bias.float())
+    u = causal_conv1d_update(mixed, conv_weight, conv_pool, read_slots, write_slots, rows)
+    q, k, v = u.split([key_dim, key_dim, hv * dv], dim=-1)
+    return recurrent_gated_delta_rule(q.view(B, T, -1, dk), k.view(B, T, -1, dk), v.view(B, T, hv, dv), g, beta,
+                                      state_pool, read_slots, write_slots, scale, rows=rows)

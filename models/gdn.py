@@ -50,26 +50,26 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         # mixed: [T, conv_dim], pre-conv q|k|v; z: output gate; b, a: per value head
         mixed, z, b, a = linear(x, self.in_proj_weight).split(self.in_proj_weight_sizes, dim=-1)
-        beta = torch.sigmoid(b)                                       # activation dtype, as HF
-        # Log-space decay in fp32: A_log spans log(0.01..16), fp16 would overflow exp.
-        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias.float())
         conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
         p = batch.num_prefill_tokens
         if p == t:
-            o = self._prefill(mixed, g, beta, conv_w, batch, conv_pool, state_pool, checkpoints)
+            o = self._prefill(mixed, b, a, conv_w, batch, conv_pool, state_pool, checkpoints)
         elif p == 0:                                                  # the common step: no slicing
-            o = self._decode(mixed, g, beta, conv_w, batch, conv_pool, state_pool)
+            o = self._decode(mixed, b, a, conv_w, batch, conv_pool, state_pool)
         else:
-            o = torch.cat([self._prefill(mixed[:p], g[:p], beta[:p], conv_w, batch, conv_pool, state_pool, checkpoints),
-                           self._decode(mixed[p:], g[p:], beta[p:], conv_w, batch, conv_pool, state_pool)])
+            o = torch.cat([self._prefill(mixed[:p], b[:p], a[:p], conv_w, batch, conv_pool, state_pool, checkpoints),
+                           self._decode(mixed[p:], b[p:], a[p:], conv_w, batch, conv_pool, state_pool)])
         y = batch.kernels.gated_rms_norm(o, z.view(t, self.hv, self.dv), self.norm.weight, self.eps)  # plain weight, not 1+w
         return linear(y.view(t, self.value_dim), self.out_proj.weight)
 
-    def _prefill(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool,
+    def _prefill(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool,
                  checkpoints) -> torch.Tensor:
         """The prefill segments (chunked varlen kernels) -> o [tokens, Hv, dv]. Captures: the
         conv window at each (the K-1 inputs before it) gathered here, the recurrent state
         written by the chunk kernel at the chunk boundary the layout puts there."""
+        beta = torch.sigmoid(b)                                       # activation dtype, as HF
+        # Log-space decay in fp32: A_log spans log(0.01..16), fp16 would overflow exp.
+        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias.float())
         np_ = batch.num_prefills
         slots = batch.state_slots[:np_]
         fresh = ~batch.has_initial_state[:np_]
@@ -96,18 +96,15 @@ class GatedDeltaNet(nn.Module):
         state_pool[slots] = final_state
         return o
 
-    def _decode(self, mixed, g, beta, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
-        """The decode segments, decode_len tokens each (recurrent kernels) -> o [tokens, Hv, dv]."""
+    def _decode(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
+        """The decode segments, decode_len tokens each, from the projections: the gates, the
+        conv update and the recurrent rule in one kernel op where the backend has it
+        (kernels/fused.py gdn_decode) -> o [tokens, Hv, dv]."""
         nd, dl = batch.num_decodes, batch.decode_len
         read = batch.state_slots[batch.num_prefills:] if batch.num_prefills else batch.state_slots
-        write = batch.state_write_slots
-        rows = batch.decode_rows
-        u = batch.kernels.causal_conv1d_update(mixed.view(nd, dl, self.conv_dim), conv_w, conv_pool, read, write, rows)
-        q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        o = batch.kernels.recurrent_gated_delta_rule(
-            q.view(nd, dl, self.hk, self.dk), k.view(nd, dl, self.hk, self.dk),
-            v.view(nd, dl, self.hv, self.dv), g.view(nd, dl, self.hv), beta.view(nd, dl, self.hv),
-            state_pool, read, write, rows=rows)
+        o = batch.kernels.gdn_decode(mixed.view(nd, dl, self.conv_dim), b.view(nd, dl, self.hv),
+                                     a.view(nd, dl, self.hv), conv_w, self.dt_bias, self.neg_decay_rate,
+                                     conv_pool, state_pool, read, batch.state_write_slots, rows=batch.decode_rows)
         return o.view(nd * dl, self.hv, self.dv)
 
 

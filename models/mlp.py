@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_engine.kernels.activation import silu_mul
+
 from .config import ModelConfig
 from .linear import linear, merge_projections
 
@@ -21,8 +23,9 @@ class SwiGLU(nn.Module):
         merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        # silu(gate) * up: one native call for eager CPU steps, else the torch ops (as `linear`
+        # does for the products, by the tensor alone: no backend to look up per call).
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 class Experts(nn.Module):

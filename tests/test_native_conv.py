@@ -16,6 +16,7 @@ from hybrid_engine import LLM
 from hybrid_engine.kernels.conv import causal_conv1d
 from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_update_torch
 from hybrid_engine.kernels.cpu import causal_conv1d_update as native
+from hybrid_engine.kernels.cpu import gdn_decode as native_gdn_decode
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
@@ -182,7 +183,10 @@ def test_the_update_takes_the_kernel_where_it_runs(dtype, compiled):
 def _counting_kernel(monkeypatch):
     """Counts the kernel's calls by tokens per row (1: decode, k + 1: verify), where the layer
     calls the op (the engine's steps run on a thread of their own, which a profiler started
-    here would not see)."""
+    here would not see). The fused decode op (kernels/cpu/gdn_decode.py, which runs this
+    kernel inside it; tests/test_native_gdn_decode.py) is turned off, so that the layer calls
+    the conv update on its own."""
+    monkeypatch.setattr(native_gdn_decode, "can_run_native", lambda *a: False)
     calls = {}
     kernel = causal_conv1d.conv_update_op
 

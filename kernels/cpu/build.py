@@ -34,10 +34,11 @@ from .isa import LEVELS, cpu_level
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("blocked_linear.cpp", "gdn_recurrent.cpp", "paged_attention.cpp",
-                                         "causal_conv1d_update.cpp", "rms_norm.cpp"))
+                                         "causal_conv1d_update.cpp", "rms_norm.cpp",
+                                         "gdn_decode.cpp", "silu_mul.cpp"))
 OPS_SOURCE = HERE / "ops.cpp"
 NAMESPACE_SOURCE = HERE / "ops_namespace.cpp"
-HEADERS = (HERE / "simd.h", HERE / "kernels.h")
+HEADERS = (HERE / "simd.h", HERE / "kernels.h", HERE / "delta_rule.h")
 NAMESPACE = "hybrid_engine_cpu"
 
 KERNEL_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++17"]

@@ -8,17 +8,13 @@
 // in L2: two passes per token. On small models the gain is the op count instead: one call
 // per layer for any batch and draft length, where the torch form dispatches ~8 ops per token.
 //
-// Per request b, head h and token t (the math of kernels/gdn/recurrent.py `_decode_in_place`):
-//   ks = k^T S, qs = q^T S                  (S before this token)
-//   u  = beta (v - a ks)
-//   o  = a qs + (k . q) u
-//   S <- a S + k u^T                        written to pool[write_slots[b, t]], or to a scratch
-//                                           state when that slot is < 0 (skipped)
-// The next token reads the state where the previous one wrote it. A write slot may equal its
-// own row's read slot (plain decode; a verify's first token): each row of S is read before it
-// is written. Rows run in parallel, so the caller guarantees that no row writes a slot another
-// row reads, and that rows write distinct slots; where rows do read what another writes, the
-// caller gathers their first states into a copy and passes that as `read_pool` (ops.cpp).
+// Per request b, head h and token t: the step of delta_rule.h, from the state the previous token
+// wrote (the read slot's for the first), to pool[write_slots[b, t]], or to a scratch state when
+// that slot is < 0 (skipped). A write slot may equal its own row's read slot (plain decode; a
+// verify's first token). Rows run in parallel, so the caller guarantees that no row writes a
+// slot another row reads, and that rows write distinct slots; where rows do read what another
+// writes, the caller gathers their first states into a copy and passes that as `read_pool`
+// (ops.cpp).
 // kq: [B, T, H, 2, dk] (k, then the scaled q), decay/beta: [B, T, H], v: [B, T, H, dv] float32;
 // read_pool: [R, H, dk, dv] float32, row b's first state at read_slots[b] (usually the pool
 // itself); pool: [S, H, dk, dv] float32; read_slots: [B], write_slots: [B, T] int64;
@@ -29,13 +25,13 @@
 
 #include <vector>
 
+#include "delta_rule.h"
 #include "kernels.h"
-#include "simd.h"
 
 int gdn_recurrent(const float* kq, const float* decay, const float* beta, const float* v,
                   const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,
                   const int64_t* write_slots, float* o, int B, int T, int H, int dk, int dv, int threads) {
-  if (dv % 16 || dv > 512) return 1;
+  if (dv % 16 || dv > delta_rule::MAX_DV) return 1;
   for (int b = 0; b < B; b++) {
     if (read_slots[b] < 0 || read_slots[b] >= R) return 2;
     for (int t = 0; t < T; t++)
@@ -47,30 +43,8 @@ int gdn_recurrent(const float* kq, const float* decay, const float* beta, const 
     const int b = bh / H, h = bh % H;
     const float* src = read_pool + (read_slots[b] * H + h) * head_stride;
     std::vector<float> scratch;              // only for skipped writes (padding)
-    float ks[512], qs[512], u[512];
     for (int t = 0; t < T; t++) {
       const int64_t bth = ((int64_t)b * T + t) * H + h;   // the index of (b, t, h)
-      const float* k = kq + bth * 2 * dk;
-      const float* q = k + dk;
-      const float a = decay[bth], be = beta[bth];
-      for (int j = 0; j < dv; j++) ks[j] = qs[j] = 0.f;
-      for (int i = 0; i < dk; i++) {         // row by row: S streams in order
-        const simd::F ki = simd::set1(k[i]), qi = simd::set1(q[i]);
-        const float* row = src + (int64_t)i * dv;
-        for (int j = 0; j < dv; j += simd::W) {
-          const simd::F s = simd::load(row + j);
-          simd::store(ks + j, simd::fmadd(ki, s, simd::load(ks + j)));
-          simd::store(qs + j, simd::fmadd(qi, s, simd::load(qs + j)));
-        }
-      }
-      float kdotq = 0.f;
-      for (int i = 0; i < dk; i++) kdotq += k[i] * q[i];
-      const float* vt = v + bth * dv;
-      float* ot = o + bth * dv;
-      for (int j = 0; j < dv; j++) {
-        u[j] = be * (vt[j] - a * ks[j]);
-        ot[j] = a * qs[j] + kdotq * u[j];
-      }
       const int64_t slot = write_slots[(int64_t)b * T + t];
       float* dst;
       if (slot >= 0) {
@@ -79,14 +53,8 @@ int gdn_recurrent(const float* kq, const float* decay, const float* beta, const 
         if (scratch.empty()) scratch.resize(head_stride);
         dst = scratch.data();                // src may be the scratch too: in place
       }
-      const simd::F av = simd::set1(a);
-      for (int i = 0; i < dk; i++) {
-        const simd::F ki = simd::set1(k[i]);
-        const float* row = src + (int64_t)i * dv;
-        float* out = dst + (int64_t)i * dv;
-        for (int j = 0; j < dv; j += simd::W)
-          simd::store(out + j, simd::fmadd(ki, simd::load(u + j), simd::mul(av, simd::load(row + j))));
-      }
+      const float* k = kq + bth * 2 * dk;
+      delta_rule::token(k, k + dk, decay[bth], beta[bth], v + bth * dv, src, dst, o + bth * dv, dk, dv);
       src = dst;
     }
   }

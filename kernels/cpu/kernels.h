@@ -16,6 +16,15 @@ int gdn_recurrent(const float* kq, const float* decay, const float* beta, const 
                   const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,
                   const int64_t* write_slots, float* o, int B, int T, int H, int dk, int dv, int threads);
 
+// The GDN decode step after the conv (gdn_decode.cpp), activations float32 or bf16 bits.
+#define GDN_DECODE_ENTRY(name, T)                                                                        \
+  int name(const T* u, const T* b, const T* a, int64_t sb0, int64_t sb1, int64_t sa0, int64_t sa1,          \
+           const float* dt_bias, const float* neg_decay, const float* read_pool, int64_t R, float* pool,     \
+           int64_t S, const int64_t* read_slots, const int64_t* write_slots, T* o, int B, int Tn, int Hk,    \
+           int H, int dk, int dv, float scale, int threads)
+GDN_DECODE_ENTRY(gdn_decode_f32, float);
+GDN_DECODE_ENTRY(gdn_decode_bf16, uint16_t);
+
 int paged_attention_f32(const float* q, const float* cache, const int64_t* block_tables, const int64_t* seq_lens,
                         float* o, int64_t num_blocks, int N, int Q, int nh, int nkv, int hd, int bs, int width,
                         float scale, int threads);
@@ -31,6 +40,10 @@ CONV_UPDATE_ENTRY(conv_update_f32_f32, float, float);
 CONV_UPDATE_ENTRY(conv_update_bf16_bf16, uint16_t, uint16_t);
 CONV_UPDATE_ENTRY(conv_update_bf16_f32, uint16_t, float);
 CONV_UPDATE_ENTRY(conv_update_f32_bf16, float, uint16_t);
+
+// The SwiGLU activation (silu_mul.cpp): y [rows, I] = silu(gate) * up of rows [gate | up].
+void silu_mul_f32(const float* x, float* y, int rows, int I, int64_t sx, int threads);
+void silu_mul_bf16(const uint16_t* x, uint16_t* y, int rows, int I, int64_t sx, int threads);
 
 // The RMSNorms (rms_norm.cpp), activations in the first dtype, the weight in the second. Rows
 // (i, j), i < n0 and j < n1, sit at base + i * s0 + j * s1 elements, the last dim contiguous.

@@ -76,6 +76,8 @@ Tensor contiguous_as(const Tensor& t, at::ScalarType dtype) {
   return t.to(dtype).contiguous();
 }
 
+Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
 int threads() { return at::get_num_threads(); }
 
 // ---- blocked_linear.cpp -----------------------------------------------------------------------
@@ -128,9 +130,43 @@ bool rows_independent(const int64_t* read, const int64_t* write, int B, int T) {
   return true;
 }
 
+// Where each row of a step starts from: the pool itself, or, for rows that read a slot another
+// row writes (or share a read slot), a copy of their first states gathered before any write, as
+// the torch form's gather (the kernels run rows in parallel on the pool).
+struct FirstStates {
+  const float* pool;
+  int64_t size;                   // states in `pool`
+  const int64_t* slots;           // row b's first state: pool[slots[b]]
+  Tensor gathered;
+  std::vector<int64_t> own_rows;
+};
+
+FirstStates first_states(const Tensor& state_pool, const int64_t* read, const int64_t* write, int B, int T) {
+  FirstStates first{state_pool.const_data_ptr<float>(), state_pool.size(0), read, {}, {}};
+  if (rows_independent(read, write, B, T)) return first;
+  const int64_t state = state_pool.stride(0);
+  first.gathered = at::empty({B, state_pool.size(1), state_pool.size(2), state_pool.size(3)}, state_pool.options());
+  float* g = first.gathered.mutable_data_ptr<float>();
+  for (int b = 0; b < B; b++) std::memcpy(g + b * state, first.pool + read[b] * state, state * sizeof(float));
+  first.own_rows.resize(B);
+  for (int b = 0; b < B; b++) first.own_rows[b] = b;
+  first.pool = g, first.size = B, first.slots = first.own_rows.data();
+  return first;
+}
+
+// Whether every read slot is in [0, S) and every write slot below S (the message callers see).
+void check_slots(const char* op, const int64_t* read, const int64_t* write, int B, int T, int64_t S) {
+  bool inside = true;
+  for (int b = 0; b < B; b++) {
+    inside = inside && read[b] >= 0 && read[b] < S;
+    for (int t = 0; t < T; t++) inside = inside && write[(int64_t)b * T + t] < S;
+  }
+  TORCH_CHECK_VALUE(inside, op, ": a slot outside the pool of ", S, " (read ", values(read, 1, B, false), ", write ",
+                    values(write, B, T, true), ")");
+}
+
 // kq [B, T, H, 2, dk], decay/beta [B, T, H], v [B, T, H, dv]; state_pool [S, H, dk, dv] float32,
-// updated in place -> o [B, T, H, dv] float32. Rows that read a slot another row writes (or
-// share a read slot) start from a copy of their states, gathered first as the torch form does.
+// updated in place -> o [B, T, H, dv] float32.
 Tensor gdn_recurrent_op(const Tensor& kq_in, const Tensor& decay_in, const Tensor& beta_in, const Tensor& v_in,
                      const Tensor& state_pool, const Tensor& read_in, const Tensor& write_in) {
   TORCH_CHECK_VALUE(state_pool.scalar_type() == at::kFloat && state_pool.is_contiguous() && state_pool.dim() == 4,
@@ -145,32 +181,14 @@ Tensor gdn_recurrent_op(const Tensor& kq_in, const Tensor& decay_in, const Tenso
   const Tensor read = contiguous_as(read_in, at::kLong), write = contiguous_as(write_in, at::kLong);
   const int64_t* rp = read.const_data_ptr<int64_t>();
   const int64_t* wp = write.const_data_ptr<int64_t>();
-  bool inside = true;
-  for (int b = 0; b < B; b++) {
-    inside = inside && rp[b] >= 0 && rp[b] < S;
-    for (int t = 0; t < T; t++) inside = inside && wp[(int64_t)b * T + t] < S;
-  }
-  TORCH_CHECK_VALUE(inside, "gdn_recurrent: a slot outside the pool of ", S, " (read ", values(rp, 1, B, false),
-                    ", write ", values(wp, B, T, true), ")");
+  check_slots("gdn_recurrent", rp, wp, B, T, S);
   Tensor o = at::empty({B, T, H, dv}, kq.options());
   if (B == 0 || T == 0) return o;
-  const float* read_pool = state_pool.const_data_ptr<float>();
-  int64_t R = S;
-  Tensor gathered;
-  std::vector<int64_t> own_rows;
-  if (!rows_independent(rp, wp, B, T)) {
-    const int64_t state = state_pool.stride(0);
-    gathered = at::empty({B, H, dk, dv}, state_pool.options());
-    float* g = gathered.mutable_data_ptr<float>();
-    for (int b = 0; b < B; b++) std::memcpy(g + b * state, read_pool + rp[b] * state, state * sizeof(float));
-    own_rows.resize(B);
-    for (int b = 0; b < B; b++) own_rows[b] = b;
-    read_pool = g, R = B, rp = own_rows.data();
-  }
+  const FirstStates first = first_states(state_pool, rp, wp, B, T);
   const int err = gdn_recurrent(kq.const_data_ptr<float>(), decay.const_data_ptr<float>(),
-                                  beta.const_data_ptr<float>(), v.const_data_ptr<float>(), read_pool, R,
-                                  state_pool.mutable_data_ptr<float>(), S, rp, wp, o.mutable_data_ptr<float>(),
-                                  B, T, H, dk, dv, threads());
+                                  beta.const_data_ptr<float>(), v.const_data_ptr<float>(), first.pool, first.size,
+                                  state_pool.mutable_data_ptr<float>(), S, first.slots, wp,
+                                  o.mutable_data_ptr<float>(), B, T, H, dk, dv, threads());
   TORCH_CHECK_VALUE(err == 0, "gdn_recurrent: dv ", dv, " unsupported (a multiple of 16 up to 512)");
   return o;
 }
@@ -249,6 +267,94 @@ Tensor causal_conv1d_update_op(const Tensor& x_in, const Tensor& weight_in, cons
   return y;
 }
 
+// ---- gdn_decode.cpp (after causal_conv1d_update.cpp) -----------------------------------------
+
+// A 1-D float32 or bf16 tensor's values as float32 (a layer's per-head constants: a few floats).
+std::vector<float> floats_of(const Tensor& t) {
+  const Tensor c = dense(t);
+  std::vector<float> out(c.numel());
+  if (c.scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), c.const_data_ptr<float>(), out.size() * sizeof(float));
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(c.const_data_ptr());
+    for (size_t i = 0; i < out.size(); i++) {
+      const uint32_t bits = (uint32_t)p[i] << 16;
+      std::memcpy(&out[i], &bits, sizeof(float));
+    }
+  }
+  return out;
+}
+
+// mixed [B, T, D] (pre-conv q|k|v, channels contiguous, rows at any stride), b, a [B, T, H] (heads
+// contiguous) of one dtype; conv_weight [D, K]; conv_pool [S, D, K-1] in mixed's dtype and
+// state_pool [S, H, dk, dv] float32, both updated in place; dt_bias, neg_decay_rate [H]; read
+// [B], write [B, T] -> o [B, T, H, dv] in mixed's dtype. The conv's output goes to a buffer of
+// this call, which the step then reads head by head.
+Tensor gdn_decode_op(const Tensor& mixed, const Tensor& b, const Tensor& a, const Tensor& conv_weight_in,
+                     const Tensor& conv_pool, const Tensor& dt_bias, const Tensor& neg_decay_rate,
+                     const Tensor& state_pool, const Tensor& read_in, const Tensor& write_in, double scale) {
+  const auto xt = mixed.scalar_type();
+  const bool pools = conv_dtype(xt) && conv_dtype(conv_weight_in.scalar_type()) && conv_pool.scalar_type() == xt &&
+                     conv_pool.is_contiguous() && conv_pool.dim() == 3 && state_pool.scalar_type() == at::kFloat &&
+                     state_pool.is_contiguous() && state_pool.dim() == 4;
+  TORCH_CHECK_VALUE(pools && mixed.dim() == 3 && conv_weight_in.dim() == 2,
+                    "gdn_decode: no kernel for mixed ", dtype_name(mixed), " ", shape(mixed), ", conv weight ",
+                    dtype_name(conv_weight_in), ", conv pool ", dtype_name(conv_pool), " ", shape(conv_pool),
+                    ", state pool ", dtype_name(state_pool), " ", shape(state_pool),
+                    " (float32 or bf16 activations, contiguous pools, float32 states)");
+  const int B = mixed.size(0), T = mixed.size(1), H = state_pool.size(1), dk = state_pool.size(2),
+            dv = state_pool.size(3);
+  const int64_t D = mixed.size(2), key_dim = (D - (int64_t)H * dv) / 2;
+  const int Hk = dk ? key_dim / dk : 0;
+  // the kernel's own limits checked here too, so that the conv before it leaves its pool as is
+  const bool heads = Hk > 0 && 2 * (int64_t)Hk * dk + (int64_t)H * dv == D && H % Hk == 0 && dv % 16 == 0 &&
+                     dv <= 512 && dk <= 512 &&
+                     conv_weight_in.size(0) == D && conv_pool.size(1) == D &&
+                     conv_pool.size(2) == conv_weight_in.size(1) - 1;
+  const std::vector<int64_t> gate_shape{B, T, H};
+  const bool gates = b.sizes() == gate_shape && a.sizes() == gate_shape && b.scalar_type() == xt &&
+                     a.scalar_type() == xt && b.stride(2) == 1 && a.stride(2) == 1 && dt_bias.numel() == H &&
+                     neg_decay_rate.numel() == H && conv_dtype(dt_bias.scalar_type()) &&
+                     conv_dtype(neg_decay_rate.scalar_type());
+  TORCH_CHECK_VALUE(heads && gates, "gdn_decode: mixed ", shape(mixed),
+                    " (D = 2 Hk dk + H dv; dv a multiple of 16 up to 512, dk up to 512), b ", shape(b),
+                    " and a ", shape(a), " (", dtype_name(b), ", ", dtype_name(a), ", [B, T, H] in mixed's dtype), ",
+                    "dt_bias ", shape(dt_bias), " and neg_decay_rate ", shape(neg_decay_rate),
+                    " do not fit the states ", shape(state_pool), " and conv ", shape(conv_weight_in), ", ",
+                    shape(conv_pool));
+  const Tensor read = contiguous_as(read_in, at::kLong), write = contiguous_as(write_in, at::kLong);
+  const int64_t* rp = read.const_data_ptr<int64_t>();
+  const int64_t* wp = write.const_data_ptr<int64_t>();
+  check_slots("gdn_decode", rp, wp, B, T, std::min(conv_pool.size(0), state_pool.size(0)));
+  Tensor o = at::empty({B, T, H, dv}, mixed.options());
+  if (B == 0 || T == 0) return o;
+  const Tensor x = mixed.stride(2) == 1 ? mixed : mixed.contiguous();
+  const Tensor conv_weight = dense(conv_weight_in);
+  Tensor u = at::empty({B, T, D}, mixed.options());
+  const bool xf = xt == at::kFloat, wf = conv_weight.scalar_type() == at::kFloat;
+  const int conv_err = xf ? (wf ? conv_call(conv_update_f32_f32, x, conv_weight, conv_pool, read, write, u)
+                                : conv_call(conv_update_f32_bf16, x, conv_weight, conv_pool, read, write, u))
+                          : (wf ? conv_call(conv_update_bf16_f32, x, conv_weight, conv_pool, read, write, u)
+                                : conv_call(conv_update_bf16_bf16, x, conv_weight, conv_pool, read, write, u));
+  TORCH_CHECK_VALUE(conv_err == 0, "gdn_decode: unsupported conv kernel size ", conv_weight.size(1));
+  const std::vector<float> bias = floats_of(dt_bias), neg_decay = floats_of(neg_decay_rate);
+  const FirstStates first = first_states(state_pool, rp, wp, B, T);
+  float* pool = state_pool.mutable_data_ptr<float>();
+  const int64_t S = state_pool.size(0);
+  const int err = xf
+      ? gdn_decode_f32(u.const_data_ptr<float>(), b.const_data_ptr<float>(), a.const_data_ptr<float>(), b.stride(0),
+                       b.stride(1), a.stride(0), a.stride(1), bias.data(), neg_decay.data(), first.pool, first.size,
+                       pool, S, first.slots, wp, o.mutable_data_ptr<float>(), B, T, Hk, H, dk, dv, scale, threads())
+      : gdn_decode_bf16(static_cast<const uint16_t*>(u.const_data_ptr()),
+                        static_cast<const uint16_t*>(b.const_data_ptr()),
+                        static_cast<const uint16_t*>(a.const_data_ptr()), b.stride(0), b.stride(1), a.stride(0),
+                        a.stride(1), bias.data(), neg_decay.data(), first.pool, first.size, pool, S, first.slots, wp,
+                        static_cast<uint16_t*>(o.mutable_data_ptr()), B, T, Hk, H, dk, dv, scale, threads());
+  TORCH_CHECK_VALUE(err == 0, "gdn_decode: heads of dk ", dk, ", dv ", dv, " with ", Hk, " key and ", H,
+                    " value heads unsupported (dv a multiple of 16 up to 512, dk up to 512)");
+  return o;
+}
+
 // ---- rms_norm.cpp -----------------------------------------------------------------------------
 
 // The kernel's entries as overloads on the element types (float, or uint16_t bf16 bits), so one
@@ -307,8 +413,6 @@ Tensor heads_of(const Tensor& t, int64_t D) {           // [..., D] -> [tokens, 
   const Tensor heads = t.dim() == 3 ? t : t.dim() < 3 ? t.reshape({-1, 1, D}) : t.reshape({-1, t.size(-2), D});
   return heads.stride(-1) == 1 ? heads : heads.contiguous();
 }
-
-Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
 // x [..., D] -> x * rsqrt(mean(x^2) + eps) * (1 + weight), x's dtype, contiguous.
 Tensor rms_norm_op(const Tensor& x, const Tensor& weight_in, double eps) {
@@ -393,6 +497,28 @@ Tensor qk_norm_rope_op(const Tensor& q, const Tensor& k, const Tensor& q_weight_
   return out;
 }
 
+// ---- silu_mul.cpp -----------------------------------------------------------------------------
+
+// x [..., 2I] (rows [gate | up], the last dim contiguous) -> silu(gate) * up [..., I], x's dtype.
+Tensor silu_mul_op(const Tensor& x) {
+  const int64_t D = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK_VALUE(conv_dtype(x.scalar_type()) && x.dim() >= 1 && D % 2 == 0,
+                    "silu_mul: no kernel for x ", dtype_name(x), " ", shape(x),
+                    " (float32 or bfloat16, an even last dim [gate | up])");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = D / 2;
+  Tensor y = at::empty(sizes, x.options());
+  if (y.numel() == 0) return y;
+  const Tensor rows = rows_of(x, D);
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_f32(rows.const_data_ptr<float>(), y.mutable_data_ptr<float>(), rows.size(0), D / 2, rows.stride(0),
+                 threads());
+  else
+    silu_mul_bf16(static_cast<const uint16_t*>(rows.const_data_ptr()), static_cast<uint16_t*>(y.mutable_data_ptr()),
+                  rows.size(0), D / 2, rows.stride(0), threads());
+  return y;
+}
+
 // ---- the ops ----------------------------------------------------------------------------------
 
 void define_ops(torch::Library& m) {
@@ -408,9 +534,13 @@ void define_ops(torch::Library& m) {
         "float scale) -> Tensor");
   m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor(a!) window_pool, Tensor read_slots, "
         "Tensor write_slots) -> Tensor");
+  m.def("gdn_decode(Tensor mixed, Tensor b, Tensor a, Tensor conv_weight, Tensor(a!) conv_pool, "
+        "Tensor dt_bias, Tensor neg_decay_rate, Tensor(b!) state_pool, Tensor read_slots, Tensor write_slots, "
+        "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor h, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
   m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, "
         "Tensor sin) -> Tensor");
 }
@@ -420,10 +550,12 @@ void cpu_impls(torch::Library& m) {
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);
+  m.impl("gdn_decode", gdn_decode_op);
   m.impl("rms_norm", rms_norm_op);
   m.impl("add_rms_norm", add_rms_norm_op);
   m.impl("gated_rms_norm", gated_rms_norm_op);
   m.impl("qk_norm_rope", qk_norm_rope_op);
+  m.impl("silu_mul", silu_mul_op);
 }
 
 // What TORCH_LIBRARY_FRAGMENT(ns, m) and TORCH_LIBRARY_IMPL(ns, CPU, m) expand to, with the

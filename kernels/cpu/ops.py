@@ -27,9 +27,12 @@ FAKES = {
     "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
     "paged_attention_decode": lambda q, *_: q.new_empty(q.shape, dtype=torch.float32),
     "causal_conv1d_update": lambda x, *_: x.new_empty(x.shape),
+    "gdn_decode": lambda mixed, b, a, conv_weight, conv_pool, dt_bias, neg_decay_rate, state_pool, *_:
+        mixed.new_empty(*mixed.shape[:2], state_pool.shape[1], state_pool.shape[3]),
     "rms_norm": lambda x, *_: x.new_empty(x.shape),
     "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
     "gated_rms_norm": lambda x, *_: x.new_empty(x.shape),
+    "silu_mul": lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2),
     "qk_norm_rope": lambda q, k, *_: q.new_empty(q.shape[0], q.shape[1] + k.shape[1], q.shape[2]),
 }
 _FAKES_REGISTERED: set[str] = set()

@@ -8,6 +8,7 @@ fla takes seconds). On CPU tensors these kernels run only under TRITON_INTERPRET
 from .attention import paged_attention, write_kv_cache
 from .conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows_at
 from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, recurrent_gated_delta_rule_fused_gating
+from .gdn_decode import gdn_decode
 from .norm import add_rms_norm, apply_partial_rope, gated_rms_norm, qk_norm_rope, rms_norm
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "conv_windows_at",
     "gated_rms_norm",
+    "gdn_decode",
     "paged_attention",
     "qk_norm_rope",
     "recurrent_gated_delta_rule",

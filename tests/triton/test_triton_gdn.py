@@ -114,6 +114,29 @@ def test_recurrent_fused_gating_matches_torch(device):
     torch.testing.assert_close(pool, pool_ref, **TOL)
 
 
+def test_gdn_decode_matches_torch(device):
+    """The layer's decode step from its projections: mixed, b, a column slices of one output."""
+    B, T, Hk, Hv, dk, dv, K = 2, 3, 2, 4, 16, 8, 4
+    D = 2 * Hk * dk + Hv * dv
+    gen = torch.Generator().manual_seed(13)
+    proj = torch.randn(B, T, D + 2 * Hv, generator=gen).to(device)
+    mixed, b, a = proj[..., :D], proj[..., D:D + Hv], proj[..., D + Hv:]
+    conv_weight = torch.randn(D, K, generator=gen).to(device)
+    dt_bias = torch.randn(Hv, generator=gen).to(device)
+    neg_decay_rate = -torch.empty(Hv).uniform_(0.01, 16, generator=gen).to(device)
+    conv_pool = torch.randn(16, D, K - 1, generator=gen).to(device)
+    state_pool = torch.randn(16, Hv, dk, dv, generator=gen).to(device)
+    read = torch.tensor([3, 9], device=device)
+    write = torch.tensor([[3, 1, -1], [9, 2, 9]], device=device)
+    conv_ref, state_ref = conv_pool.clone(), state_pool.clone()
+
+    o = tk.gdn_decode(mixed, b, a, conv_weight, dt_bias, neg_decay_rate, conv_pool, state_pool, read, write)
+    o_ref = TORCH["gdn_decode"](mixed, b, a, conv_weight, dt_bias, neg_decay_rate, conv_ref, state_ref, read, write)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(conv_pool, conv_ref, **TOL)
+    torch.testing.assert_close(state_pool, state_ref, **TOL)
+
+
 def test_recurrent_rejects_writing_another_rows_read_slot(device):
     if device == "cuda":
         pytest.skip("the host-side check is opt-in on a GPU (HYBRID_ENGINE_KERNEL_CHECKS=1)")

@@ -1,0 +1,63 @@
+"""The GDN layer's decode and verify step from its projections with the native kernels: the conv
+update (causal_conv1d_update.cpp), then gdn_decode.cpp (the q/k norm, the gates and the delta
+rule), one op per layer instead of the torch form's ~30 (kernels/fused.py `gdn_decode_torch`:
+the gates, the conv update, the q/k norm and the rule in sequence, the reference).
+
+The call is the operator `hybrid_engine_cpu::gdn_decode` (ops.py, C++ from the checks to the
+kernels), eagerly and in compiled graphs alike. Like gdn_recurrent it takes any rows, copying
+the first states of rows that depend on each other."""
+
+from __future__ import annotations
+
+import torch
+
+from .causal_conv1d_update import DTYPES, KERNEL_SIZES
+from .ops import native_ops
+
+MAX_DK = 512
+MAX_DV = 512
+
+
+def can_run_native(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                   conv_pool: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    """Whether the kernels serve this call: CPU tensors, activations of float32 or bf16 (b, a of
+    mixed's dtype, the conv pool too, contiguous), float32 contiguous states with dv a multiple
+    of 16 up to 512 and dk up to 512, a conv kernel of 2 to 4 taps, every last dim contiguous."""
+    _, hv, dk, dv = state_pool.shape
+    key_dim = (mixed.shape[-1] - hv * dv) // 2
+    return (mixed.device.type == "cpu" and mixed.dtype in DTYPES and conv_weight.dtype in DTYPES
+            and b.dtype == mixed.dtype and a.dtype == mixed.dtype and conv_pool.dtype == mixed.dtype
+            and conv_pool.is_contiguous() and state_pool.dtype == torch.float32 and state_pool.is_contiguous()
+            and dv % 16 == 0 and dv <= MAX_DV and dk <= MAX_DK and key_dim > 0 and key_dim % dk == 0
+            and hv % (key_dim // dk) == 0 and conv_weight.shape[1] in KERNEL_SIZES
+            and mixed.stride(-1) == 1 and b.stride(-1) == 1 and a.stride(-1) == 1 and native_available())
+
+
+@torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
+def native_available() -> bool:
+    return native_ops() is not None
+
+
+def gdn_decode_native(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                      conv_pool: torch.Tensor, dt_bias: torch.Tensor, neg_decay_rate: torch.Tensor,
+                      state_pool: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
+                      scale: float, level: str | None = None) -> torch.Tensor:
+    """kernels/fused.py gdn_decode's contract -> o [B, T, Hv, dv] in mixed.dtype. level: the
+    kernels built for that level of kernels/cpu/isa.py (None: this process's; tests run each
+    level below it)."""
+    ops = native_ops(level)
+    if ops is None:
+        raise ValueError(f"gdn_decode_native: no kernel at level {level}")
+    return ops.gdn_decode.default(mixed, b, a, conv_weight, conv_pool, dt_bias, neg_decay_rate, state_pool,
+                                  read_slots, write_slots, scale)
+
+
+def gdn_decode_op(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+                  conv_pool: torch.Tensor, dt_bias: torch.Tensor, neg_decay_rate: torch.Tensor,
+                  state_pool: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """gdn_decode_native at this process's level, where `can_run_native` holds (the form callers
+    and compiled graphs use: no lookup of the level's ops)."""
+    return torch.ops.hybrid_engine_cpu.gdn_decode.default(mixed, b, a, conv_weight, conv_pool, dt_bias,
+                                                          neg_decay_rate, state_pool, read_slots, write_slots,
+                                                          scale)
