@@ -22,6 +22,7 @@ output it builds itself).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +55,7 @@ class GraphReplay:
 
     def call(self, compiled_fn: Callable, *args):
         last = self._args
-        if last is not None and len(last) == len(args) and all(a is b for a, b in zip(args, last)):
+        if last is not None and len(last) == len(args) and all(map(operator.is_, args, last)):
             self.replays += 1
             return tuple(self._graph(*self._inputs))
         self._args = self._graph = None
@@ -92,4 +93,4 @@ def _traced_without_side_effects() -> bool:
 def _is_graph_output(result, graph_out) -> bool:
     """The function returned a tuple of exactly the graph's outputs, in order."""
     return (isinstance(result, tuple) and isinstance(graph_out, (tuple, list)) and len(result) == len(graph_out)
-            and all(r is o for r, o in zip(result, graph_out)))
+            and all(map(operator.is_, result, graph_out)))
