@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import engine_decode, make_engine  # noqa: E402
 from hybrid_engine.default_model import default_model_path  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import detected_level  # noqa: E402
+from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
 
 torch.set_num_threads(2)
 load0 = os.getloadavg()[0]
@@ -35,5 +35,5 @@ for k, v in out.items():
 replays = eng["compiled"].runner.compiled._decode_replay.replays
 steps = 64 + 5 * 256
 print(f"compiled: {replays} of {steps} decode steps replayed their graph (hybrid_engine/graph_replay.py)")
-print(f"level {detected_level()}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
-json.dump({"date": "2026-12-01", "level": detected_level(), "threads": 2, "results": out, "replayed_steps": replays}, open(sys.argv[1], "w"), indent=1)
+print(f"level {cpu_level()}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+json.dump({"date": "2026-12-01", "level": cpu_level(), "threads": 2, "results": out, "replayed_steps": replays}, open(sys.argv[1], "w"), indent=1)
