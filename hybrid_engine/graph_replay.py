@@ -12,9 +12,9 @@ inputs are the same tensors with the same sizes. So such a call runs the last ca
 its recorded inputs directly.
 
 What the caller guarantees (StepInputBuilder's steady state does): an argument that is passed
-again as the same object has not been changed in a way a guard would see (no field of a
-ForwardBatch reassigned, no tensor resized or restrided in place; values may change, they are
-read by the graph). A replay is offered only where the call ran exactly one graph, traced with
+again as the same object reaches the same tensors, unchanged but for their values (no field of
+the ForwardBatch reassigned, no pool of the cache manager replaced (state_cache allocates them
+once), no tensor resized or restrided in place; values may change: the graph reads them). A replay is offered only where the call ran exactly one graph, traced with
 no Python side effect for dynamo to replay after it, and returned the graph's outputs as they
 are: the function's bytecode around the graph then does nothing else (no graph break, no
 output it builds itself).
