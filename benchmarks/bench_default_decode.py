@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import engine_decode, make_engine  # noqa: E402
 from hybrid_engine.default_model import default_model_path  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import detected_level  # noqa: E402
+from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
 
 torch.set_num_threads(2)
 load0 = os.getloadavg()[0]
@@ -32,5 +32,8 @@ out = {k: {"tok_s": statistics.median(r["tok_s"] for r in v), "step_ms": statist
            "forward_ms": statistics.median(r["forward_ms"] for r in v), "runs": v} for k, v in runs.items()}
 for k, v in out.items():
     print(f"{k}: b1 {v['tok_s']:.1f} tok/s, step {v['step_ms']:.3f} ms, forward {v['forward_ms']:.3f} ms  runs {[round(r['tok_s']) for r in v['runs']]}")
-print(f"level {detected_level()}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
-json.dump({"date": "2026-12-01", "level": detected_level(), "threads": 2, "results": out}, open(sys.argv[1], "w"), indent=1)
+replays = eng["compiled"].runner.compiled._decode_replay.replays
+steps = 64 + 5 * 256
+print(f"compiled: {replays} of {steps} decode steps replayed their graph (hybrid_engine/graph_replay.py)")
+print(f"level {cpu_level()}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+json.dump({"date": "2026-12-01", "level": cpu_level(), "threads": 2, "results": out, "replayed_steps": replays}, open(sys.argv[1], "w"), indent=1)

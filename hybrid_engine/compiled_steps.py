@@ -36,6 +36,8 @@ from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
 
+from .graph_replay import GraphReplay
+
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
@@ -65,7 +67,11 @@ class CompiledSteps:
         dynamo_config.install_free_tensors = True
         options = {"guard_filter_fn": _engine_guards}
         backend = _inductor(freeze)
-        self._decode = torch.compile(_own_code(self._decode_forward), backend=backend, options=options)
+        # A steady-state decode step passes the last step's objects again: its graph call is
+        # replayed without dynamo's guards and prologue (graph_replay.py).
+        self._decode_replay = GraphReplay()
+        self._decode = torch.compile(_own_code(self._decode_forward), backend=self._decode_replay.backend(backend),
+                                     options=options)
         self._mtp = (torch.compile(_own_code(self._mtp_pass), backend=backend, options=options)
                      if model.mtp is not None else None)
         # run(): the last batch it was given and its traceable form
@@ -86,7 +92,7 @@ class CompiledSteps:
             # object again, its tensors (and their dynamic marks) the same: prepared once.
             self._last_batch, self._last_ids, self._last_traceable = batch, input_ids, _traceable(batch)
             _mark_dynamic(input_ids, self._last_traceable)
-        return self._decode(input_ids, self._last_traceable, caches)
+        return self._decode_replay.call(self._decode, input_ids, self._last_traceable, caches)
 
     def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine import EngineConfig, LLMEngine
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.compiled_steps import CompiledSteps
 
 from spec_models import make_spec_checkpoint
@@ -87,3 +87,38 @@ def test_compiled_steps_match_eager(ckpt, eager_runs, k):
 def test_compile_option_is_validated():
     with pytest.raises(ValueError, match="enable_torch_compile"):
         EngineConfig(enable_torch_compile="yes").validate()
+
+
+def test_steady_decode_replays_its_graph(ckpt, eager_runs):
+    """Plain decode steps that pass the last step's batch again replay its graph
+    (hybrid_engine/graph_replay.py); steps of another batch size, a wider block table or a
+    repacked batch go through dynamo; every token and logprob is the eager engine's."""
+    engine = _engine(ckpt, 0, True)
+    compiled = engine.runner.compiled
+    calls, last = [], [None]
+    run = compiled.run
+
+    def watched(input_ids, batch, caches):
+        calls.append(batch is last[0])
+        last[0] = batch
+        return run(input_ids, batch, caches)
+
+    compiled.run = watched
+    replay = compiled._decode_replay
+    outs = run_staggered(engine, *staggered_workload(0, logprobs=0))
+    ref = eager_runs[(0, 0)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for out, want in zip(outs, ref):
+        assert [lp[t] for lp, t in zip(out.logprobs, out.token_ids)] == pytest.approx(
+            [lp[t] for lp, t in zip(want.logprobs, want.token_ids)], abs=2e-5)
+    # The first call of each batch object goes through dynamo, every later one replays.
+    assert replay.replays == sum(calls) > 0 and not all(calls)
+    # A long single request: 4-token blocks widen the table every 4 steps, each a new batch.
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    eager = _engine(ckpt, 0, False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    before, calls[:] = replay.replays, []
+    got = run_staggered(engine, [prompt], params, [0])[0]
+    want = run_staggered(eager, [prompt], params, [0])[0]
+    assert got.token_ids == want.token_ids
+    assert replay.replays - before == sum(calls) >= 20

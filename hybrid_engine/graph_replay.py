@@ -1,0 +1,96 @@
+"""Replays a torch.compile'd function's last graph call when it is called again with the very
+same argument objects (compiled_steps.py: the steady-state decode).
+
+Every call of a torch.compile'd function pays, before its graph runs, dynamo's cache lookup
+(the guards: the arguments' sizes, dtypes, host ints) and the graph's prologue, bytecode that
+walks the arguments and collects the graph's inputs (tensors, and the ints of their dynamic
+sizes, strides and offsets, each through a small wrapper call): about a tenth of a default-model
+decode step (~0.12 of ~1.4 ms). When a call's arguments are the last call's own objects, neither
+can give anything new: the guards read only the arguments and state that is fixed while an
+engine runs (the modules and globals they skip are `compiled_steps._engine_guards`'s), and the
+inputs are the same tensors with the same sizes. So such a call runs the last call's graph on
+its recorded inputs directly.
+
+What the caller guarantees (StepInputBuilder's steady state does): an argument that is passed
+again as the same object reaches the same tensors, unchanged but for their values (no field of
+the ForwardBatch reassigned, no pool of the cache manager replaced (state_cache allocates them
+once), no tensor resized or restrided in place; values may change: the graph reads them). A replay is offered only where the call ran exactly one graph, traced with
+no Python side effect for dynamo to replay after it, and returned the graph's outputs as they
+are: the function's bytecode around the graph then does nothing else (no graph break, no
+output it builds itself).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+
+class GraphReplay:
+    """`backend(b)` wraps a torch.compile backend so that every graph it compiles records its
+    calls here; `call(compiled_fn, *args)` runs compiled_fn(*args), or replays its last graph
+    call when args are that call's argument objects. One GraphReplay per compiled function
+    whose calls it replays (its last call is the one replayed)."""
+
+    def __init__(self):
+        self._calls: list[tuple[Callable, tuple, Any]] | None = None   # graph calls of the current call
+        self._args: tuple | None = None       # the last call's arguments, when it is replayable
+        self._graph: Callable | None = None   # its graph, and the graph's recorded inputs
+        self._inputs: tuple = ()
+        self.replays = 0                      # calls replayed (tests and benchmarks read it)
+
+    def backend(self, backend: Callable) -> Callable:
+        def recording_backend(graph, example_inputs):
+            pure = _traced_without_side_effects()
+            compiled = backend(graph, example_inputs)
+
+            def recorded(*inputs):
+                out = compiled(*inputs)
+                if self._calls is not None:       # inside call(): other callers' calls are not kept
+                    self._calls.append((compiled if pure else None, inputs, out))
+                return out
+            return recorded
+        return recording_backend
+
+    def call(self, compiled_fn: Callable, *args):
+        last = self._args
+        if last is not None and len(last) == len(args) and all(map(operator.is_, args, last)):
+            self.replays += 1
+            return tuple(self._graph(*self._inputs))
+        self._args = self._graph = None
+        self._inputs = ()
+        self._calls = calls = []
+        try:
+            result = compiled_fn(*args)
+        finally:
+            self._calls = None
+        if len(calls) == 1 and calls[0][0] is not None and _is_graph_output(result, calls[0][2]):
+            self._args = args
+            self._graph, self._inputs = calls[0][0], calls[0][1]
+        return result
+
+
+def _traced_without_side_effects() -> bool:
+    """Whether the frame dynamo is compiling (this runs inside its backend call) leaves no Python
+    state changed: dynamo's own record of the mutations it replays after the graph. Objects the
+    frame creates itself (dynamo counts them as modified) matter only when it sets attributes
+    on them, which could reach the caller through the outputs. False where that record cannot
+    be read: such graphs are never replayed."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+        effects = InstructionTranslator.current_tx().output.side_effects
+        for var in effects.id_to_variable.values():
+            if effects.is_modified(var) and (not isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew))
+                                             or var in effects.store_attr_mutations):
+                return False
+        return not effects.tensor_hooks
+    except Exception:       # a dynamo without these internals: no replay, never a wrong one
+        return False
+
+
+def _is_graph_output(result, graph_out) -> bool:
+    """The function returned a tuple of exactly the graph's outputs, in order."""
+    return (isinstance(result, tuple) and isinstance(graph_out, (tuple, list)) and len(result) == len(graph_out)
+            and all(map(operator.is_, result, graph_out)))
