@@ -29,7 +29,7 @@ repository (the sdist, the builds, the GGUF files), and is made once. Levels, li
 - native: llama.cpp built with GGML_NATIVE=ON, ours at the CPU's own level;
 - avx2:   llama.cpp with GGML_NATIVE=OFF, AVX2/FMA/F16C on and AVX-512 off, ours with
           HYBRID_ENGINE_CPU_ISA=avx2 (kernels/cpu/isa.py) and torch's MKL and oneDNN capped at
-          AVX2 too (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA).
+          AVX2 too (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY).
 
 Runs: `llama-bench -t N -p 512 -n 128 -r R -o json` (pp512: a 512-token prompt; tg128: 128
 generated tokens) against ours through benchmarks/bench_cpu.py's child (a fresh process per run;
@@ -326,9 +326,10 @@ def model_config(model: str, folder: Path) -> dict:
 
 # What else a level caps in the child: HYBRID_ENGINE_CPU_ISA caps our own kernels, but torch's
 # MKL and oneDNN pick their code by the CPU and would run AVX-512 at our avx2 level (seen with
-# MKL_VERBOSE), which llama.cpp's AVX2 build cannot.
+# MKL_VERBOSE), which llama.cpp's AVX2 build cannot; so would ATen's own vectorised kernels and
+# the C++ that inductor generates for compiled steps, which both follow ATEN_CPU_CAPABILITY.
 LEVEL_ENV = {"avx2": {"HYBRID_ENGINE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                      "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+                      "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
 @contextlib.contextmanager

@@ -116,6 +116,7 @@ def test_cpu_isa_sets_and_restores_the_override(monkeypatch):
     with bench.cpu_isa("avx2"):
         assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "avx2"
         assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+        assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2"       # ATen's kernels and inductor's C++
     with bench.cpu_isa(None):
         assert "HYBRID_ENGINE_CPU_ISA" not in os.environ and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     assert os.environ["HYBRID_ENGINE_CPU_ISA"] == "none" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
