@@ -9,14 +9,15 @@ it costs: compiling at the first steps of each kind (tens of seconds per graph o
 machine, the wrapper's C++ included; inductor caches them on disk across processes).
 
 What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
-decode_len k+1) and the MTP drafter's decode-sized passes (spec_decode/mtp_drafter.py), never
-padded. The kernels read nothing back to the host there, eager or traced: what they need to
-know about the step comes in the ForwardBatch. Prefill and mixed steps stay eager: their
+decode_len k+1) and the MTP drafter's drafting after a decode-sized catch-up, all of its
+passes in one graph (spec_decode/draft_passes.py), never padded. The kernels read nothing
+back to the host there, eager or traced: what they need to know about the step comes in the
+ForwardBatch. Prefill and mixed steps stay eager: their
 shapes change every step.
 
 Shapes: the token, request and block-table-width dims are marked dynamic and traced with
 size-oblivious reasoning (no specialisation on sizes 0 and 1 where it can be avoided), so a
-few graphs serve every batch: one per decode_len and MTP pass kind, plus a batch-1 variant
+few graphs serve every batch: one per decode_len and MTP catch-up length, plus a batch-1 variant
 where an op forces one.
 """
 
@@ -35,6 +36,7 @@ from torch._inductor.compile_fx import compile_fx
 from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
+from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
@@ -66,7 +68,7 @@ class CompiledSteps:
         options = {"guard_filter_fn": _engine_guards}
         backend = _inductor(freeze)
         self._decode = torch.compile(_own_code(self._decode_forward), backend=backend, options=options)
-        self._mtp = (torch.compile(_own_code(self._mtp_pass), backend=backend, options=options)
+        self._mtp = (torch.compile(_own_code(self._mtp_drafting), backend=backend, options=options)
                      if model.mtp is not None else None)
         # run(): the last batch it was given and its traceable form
         self._last_batch: ForwardBatch | None = None
@@ -88,27 +90,24 @@ class CompiledSteps:
             _mark_dynamic(input_ids, self._last_traceable)
         return self._decode(input_ids, self._last_traceable, caches)
 
-    def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """An MTP pass (HybridForCausalLM.mtp_forward) over segments of one length -> (its
-        output hidden at `rows`, None: every row; the greedy token from each of those)."""
+    def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
+                rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
+        """A step's MTP drafting, the catch-up pass over segments of one length and the k-1
+        draft passes after it (spec_decode/draft_passes.py), as one graph -> the drafts [D, k]."""
         batch = _traceable(batch)
         _mark_dynamic(tokens, batch)
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        if rows is not None:
-            torch._dynamo.maybe_mark_dynamic(rows, 0)
-        return self._mtp(tokens, hidden, batch, caches, rows)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
+        torch._dynamo.maybe_mark_dynamic(seqs, 0)
+        return self._mtp(tokens, hidden, batch, caches, rows, seqs, passes)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_step(input_ids, batch, caches)
 
-    def _mtp_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                  caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.model.mtp_forward(tokens, hidden, batch, caches)
-        if rows is not None:
-            h = h[rows]
-        return h, self.model.compute_logits(h).max(dim=-1).indices
+    def _mtp_drafting(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
+                  rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
+        return passes(self.model, tokens, hidden, batch, caches, rows, seqs)
 
 
 def _engine_guards(entries) -> list[bool]:

@@ -279,9 +279,11 @@ class StepInputBuilder:
         seqs, ends, entries = torch.tensor(caps, dtype=torch.int64, device=self.positions.device).unbind(1)
         return GdnCaptures(seqs=seqs, ends=ends, entries=entries)
 
-    def build_mtp(self, segs: list[tuple[int, int, list[int]]]) -> ForwardBatch:
-        """An MTP pass (spec_decode/mtp_drafter.py) over segments (start, length, block table)
-        into the same buffers: positions, KV slots, lengths and the blocks attention reads. The
+    def build_mtp(self, segs: list[tuple[int, int, list[int]]], lookahead: int) -> ForwardBatch:
+        """An MTP catch-up pass (spec_decode/mtp_drafter.py) over segments (start, length, block
+        table) into the same buffers: positions, KV slots, lengths and the blocks attention
+        reads, which with `lookahead` cover that many positions past each segment too (the
+        draft passes after it read their blocks from here: spec_decode/draft_passes.py). The
         MTP layer is full attention only: the GDN fields stay empty. The next `build` packs
         from scratch (the steady state's buffers are overwritten here)."""
         self._last_decode = None
@@ -292,7 +294,7 @@ class StepInputBuilder:
             slots.extend(kv_slots(table, start, start + n, bs))
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-            tables.append(table[:(start + n + bs - 1) // bs])        # the blocks attention reads
+            tables.append(table[:(start + n + lookahead + bs - 1) // bs])     # the blocks read
         t, n_seq = len(positions), len(segs)
         width = max(len(tb) for tb in tables)
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
