@@ -91,23 +91,25 @@ class CompiledSteps:
         return self._decode(input_ids, self._last_traceable, caches)
 
     def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
-                rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
+                tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
         """A step's MTP drafting, the catch-up pass over segments of one length and the k-1
         draft passes after it (spec_decode/draft_passes.py), as one graph -> the drafts [D, k]."""
         batch = _traceable(batch)
         _mark_dynamic(tokens, batch)
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        torch._dynamo.maybe_mark_dynamic(rows, 0)
-        torch._dynamo.maybe_mark_dynamic(seqs, 0)
-        return self._mtp(tokens, hidden, batch, caches, rows, seqs, passes)
+        for t in (tables, rows, seqs):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        return self._mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_step(input_ids, batch, caches)
 
     def _mtp_drafting(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
-                  rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
-        return passes(self.model, tokens, hidden, batch, caches, rows, seqs)
+                      tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses
+                      ) -> torch.Tensor:
+        return passes(self.model, tokens, hidden, batch, caches, tables, rows, seqs)
 
 
 def _engine_guards(entries) -> list[bool]:

@@ -5,7 +5,8 @@ state at position p + j, where p is the position of its last committed token (th
 row it drafts from). Its metadata is the catch-up pass's, moved on: the same block tables,
 positions p + j, KV slots block_table[pos // block_size] * block_size + pos % block_size
 (state_cache.kv_slots), lengths p + j + 1. It is computed here in torch from the catch-up
-batch's own tensors rather than packed on the host for every pass, so that the whole of
+batch's tensors (its block tables packed wider: StepInputBuilder.build_mtp's lookahead)
+rather than packed on the host for every pass, so that the whole of
 drafting is one call: one graph (one dynamo entry) when compiled, and no host packing between
 the passes when eager. The eager and compiled forms run this same code.
 """
@@ -30,17 +31,17 @@ class DraftPasses:
     keyless: bool
 
     def __call__(self, model: HybridForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
-                 batch: ForwardBatch, caches: LayerCaches, rows: torch.Tensor, seqs: torch.Tensor
-                 ) -> torch.Tensor:
+                 batch: ForwardBatch, caches: LayerCaches, tables: torch.Tensor, rows: torch.Tensor,
+                 seqs: torch.Tensor) -> torch.Tensor:
         """The catch-up pass over `batch` (tokens [T] = token i+1, hidden [T, H] = the target's
         h_i), then the k-1 draft passes of the drafting requests: their catch-up rows `rows`
-        [D] and sequences `seqs` [D] in `batch` -> the drafts [D, k]. batch.block_tables
-        must cover the drafting requests' positions up to p + k - 1."""
+        [D] and sequences `seqs` [D] in `batch` -> the drafts [D, k]. tables: the batch's
+        sequences' block tables covering the positions up to p + k - 1 of those that draft."""
         h = model.mtp_forward(tokens, hidden, batch, caches).index_select(0, rows)
         draft = _greedy(model, h)
         drafts = [draft]
         last = batch.positions.index_select(0, rows)
-        tables = batch.block_tables.index_select(0, seqs)
+        tables = tables.index_select(0, seqs)
         for j in range(1, self.num_drafts):
             h = model.mtp_forward(draft, h, self.pass_batch(batch, last + j, tables), caches)
             draft = _greedy(model, h)

@@ -64,27 +64,27 @@ class MTPDrafter:
         hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
         drafting = [i for i, c in enumerate(catchups) if c.draft]
         if not drafting:
-            self.model.mtp_forward(tokens, hidden, self._batch(segs, 0), self.cache)
+            self.model.mtp_forward(tokens, hidden, self._batch(segs, 0)[0], self.cache)
             return {}
-        # The catch-up's block tables also cover the k-1 draft positions after it, which the
-        # draft passes take them from (spec_decode/draft_passes.py).
-        batch = self._batch(segs, self.k - 1)
+        # Block tables that also cover the k-1 draft positions after the catch-up.
+        batch, tables = self._batch(segs, self.k - 1)
         ends = segs_end_rows(segs)
         rows, seqs = self._tensor([ends[i] for i in drafting] + drafting).split(len(drafting))
         n = segs[0][2]
         # Compiled drafting starts from a decode-sized catch-up (a prompt's is not) with
         # segments of one length (attention then needs no per-length split).
         if self.compiled is not None and n <= self.k + 1 and all(m == n for _, _, m in segs):
-            drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache, rows, seqs, self.passes)
+            drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache, tables, rows, seqs, self.passes)
         else:
-            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, rows, seqs)
+            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, tables, rows, seqs)
         return dict(zip([catchups[i].request_id for i in drafting], drafts.tolist()))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _batch(self, segs: list[tuple[str, int, int]], lookahead: int) -> ForwardBatch:
-        """The catch-up pass's metadata, packed by the step-input builder into its own buffers."""
+    def _batch(self, segs: list[tuple[str, int, int]], lookahead: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """The catch-up pass's metadata, packed by the step-input builder into its own buffers,
+        and block tables covering `lookahead` positions more."""
         return self.builder.build_mtp([(start, n, self.cache.get(rid).block_table) for rid, start, n in segs],
                                       lookahead)
 

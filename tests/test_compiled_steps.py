@@ -40,9 +40,9 @@ class _Counted:
             self.decode.append((batch.decode_len, batch.num_decodes))
             return run(input_ids, batch, caches)
 
-        def counted_mtp(tokens, hidden, batch, caches, rows, seqs, passes):
+        def counted_mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes):
             self.mtp.append(batch.seq_lens.numel())
-            return run_mtp(tokens, hidden, batch, caches, rows, seqs, passes)
+            return run_mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
 
         compiled.run, compiled.run_mtp = counted_run, counted_mtp
 

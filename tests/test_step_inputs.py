@@ -153,10 +153,10 @@ def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
         seen = keys_seen[keyless] = set()
 
         def recording(segs, lookahead, build_mtp=build_mtp, seen=seen):
-            batch = build_mtp(segs, lookahead)
+            batch, tables = build_mtp(segs, lookahead)
             if len({n for _, n, _ in segs}) == 1:
                 seen.add((segs[0][1], batch.attention.keys is not None))
-            return batch
+            return batch, tables
         engine.builder.build_mtp = recording
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         ids = [engine.add_request([3, 1, 4, 1, 5][:n], params) for n in (2, 5)]
@@ -206,11 +206,11 @@ def test_mtp_passes_are_packed_in_the_step_buffers(ckpt):
     batch = engine.drafter._batch
 
     def recorded(segs, lookahead):
-        out = batch(segs, lookahead)
+        out, tables = batch(segs, lookahead)
         # read now: later steps overwrite the buffers these views show
         assert out.seq_lens.tolist() == [start + n for _, start, n in segs]
         passes.append(out)
-        return out
+        return out, tables
 
     engine.drafter._batch = recorded
     for prompt in ([5, 17, 3, 99, 250, 8], [1, 2, 3]):
