@@ -10,7 +10,8 @@ machine, the wrapper's C++ included; inductor caches them on disk across process
 
 What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
 decode_len k+1) and the MTP drafter's drafting after a decode-sized catch-up, all of its
-passes in one graph (spec_decode/draft_passes.py), never padded. The kernels read nothing
+passes in one graph (spec_decode/draft_passes.py; after a prompt's catch-up, which stays
+eager, the draft passes alone), never padded. The kernels read nothing
 back to the host there, eager or traced: what they need to know about the step comes in the
 ForwardBatch. Prefill and mixed steps stay eager: their
 shapes change every step.
@@ -33,6 +34,7 @@ import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 from torch._inductor.compile_fx import compile_fx
 
+from hybrid_engine.kernels import KernelBackend
 from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
@@ -68,8 +70,10 @@ class CompiledSteps:
         options = {"guard_filter_fn": _engine_guards}
         backend = _inductor(freeze)
         self._decode = torch.compile(_own_code(self._decode_forward), backend=backend, options=options)
-        self._mtp = (torch.compile(_own_code(self._mtp_drafting), backend=backend, options=options)
-                     if model.mtp is not None else None)
+        has_mtp = model.mtp is not None
+        self._mtp = torch.compile(_own_code(self._mtp_drafting), backend=backend, options=options) if has_mtp else None
+        self._mtp_continued = (torch.compile(_own_code(self._mtp_draft_passes), backend=backend, options=options)
+                               if has_mtp else None)
         # run(): the last batch it was given and its traceable form
         self._last_batch: ForwardBatch | None = None
         self._last_ids: torch.Tensor | None = None
@@ -102,6 +106,15 @@ class CompiledSteps:
         torch._dynamo.maybe_mark_dynamic(tables, 1)
         return self._mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
 
+    def run_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
+                         kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
+        """Draft passes 2..k after an eager catch-up (DraftPasses.continued) as one graph ->
+        the drafts [D, k]."""
+        for t in (draft, h, last, tables):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        return self._mtp_continued(draft, h, last, tables, kernels, caches, passes)
+
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_step(input_ids, batch, caches)
@@ -110,6 +123,10 @@ class CompiledSteps:
                       tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses
                       ) -> torch.Tensor:
         return passes(self.model, tokens, hidden, batch, caches, tables, rows, seqs)
+
+    def _mtp_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
+                          kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
+        return passes.continued(self.model, draft, h, last, tables, kernels, caches)
 
 
 def _engine_guards(entries) -> list[bool]:

@@ -71,12 +71,18 @@ class MTPDrafter:
         ends = segs_end_rows(segs)
         rows, seqs = self._tensor([ends[i] for i in drafting] + drafting).split(len(drafting))
         n = segs[0][2]
-        # Compiled drafting starts from a decode-sized catch-up (a prompt's is not) with
-        # segments of one length (attention then needs no per-length split).
-        if self.compiled is not None and n <= self.k + 1 and all(m == n for _, _, m in segs):
+        if self.compiled is None:
+            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, tables, rows, seqs)
+        elif n <= self.k + 1 and all(m == n for _, _, m in segs):
+            # A decode-sized catch-up of segments of one length (attention needs no per-length
+            # split): all of drafting in one graph.
             drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache, tables, rows, seqs, self.passes)
         else:
-            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, tables, rows, seqs)
+            # A prompt's catch-up (its length changes every time) stays eager; the draft
+            # passes after it are one graph.
+            h, draft = self.passes.catch_up(self.model, tokens, hidden, batch, self.cache, rows)
+            drafts = self.compiled.run_draft_passes(draft, h, batch.positions[rows], tables[seqs], batch.kernels,
+                                                    self.cache, self.passes)
         return dict(zip([catchups[i].request_id for i in drafting], drafts.tolist()))
 
     def _tensor(self, values: list) -> torch.Tensor:
