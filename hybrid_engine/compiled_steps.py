@@ -11,15 +11,14 @@ machine, the wrapper's C++ included; inductor caches them on disk across process
 What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
 decode_len k+1) and the MTP drafter's drafting after a decode-sized catch-up, all of its
 passes in one graph (spec_decode/draft_passes.py; after a prompt's catch-up, which stays
-eager, the draft passes alone), never padded. The kernels read nothing
-back to the host there, eager or traced: what they need to know about the step comes in the
-ForwardBatch. Prefill and mixed steps stay eager: their
-shapes change every step.
+eager, the draft passes alone), never padded. The kernels read nothing back to the host
+there, eager or traced: what they need to know about the step comes in the ForwardBatch.
+Prefill and mixed steps stay eager: their shapes change every step.
 
 Shapes: the token, request and block-table-width dims are marked dynamic and traced with
 size-oblivious reasoning (no specialisation on sizes 0 and 1 where it can be avoided), so a
-few graphs serve every batch: one per decode_len and MTP catch-up length, plus a batch-1 variant
-where an op forces one.
+few graphs serve every batch: one per decode_len and MTP catch-up length, plus a batch-1
+variant where an op forces one.
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid_engine.models import ForwardBatch, HybridForCausalLM
-from hybrid_engine.state_cache import HybridCacheManager
-
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
+from hybrid_engine.state_cache import HybridCacheManager
 
 if TYPE_CHECKING:
     from hybrid_engine.step_inputs import StepInputBuilder
