@@ -1,0 +1,39 @@
+"""Interleaved A/B of batch-1 decode between two checkouts (e.g. a previous main in a git worktree
+and this one): both engines loaded at once, each in its own process, tree and venv
+(TREE/.venv/bin/python), timed blocks of STEPS decode steps alternated A B, B A, ... for PAIRS
+pairs, the ratio B/A per pair. On a shared, drifting machine this settles a few percent where
+separate runs minutes apart cannot (issue 16's no-regression A/B).
+
+    python benchmarks/ab_decode.py TREE_A TREE_B CHECKPOINT DTYPE STEPS PAIRS [compiled] [ENV=V ...] [OUT.json]
+"""
+import json, os, statistics, subprocess, sys
+from pathlib import Path
+a, b, folder, dtype, steps, pairs = sys.argv[1:7]
+rest = [x for x in sys.argv[7:] if not x.endswith(".json")]
+mode = "compiled" if "compiled" in rest else "eager"
+env = dict(os.environ, **dict(x.split("=", 1) for x in rest if "=" in x))
+def start(tree):
+    return subprocess.Popen([f"{tree}/.venv/bin/python", str(Path(__file__).resolve().parent / "ab_decode_child.py"), folder, dtype, steps, mode],
+                            cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+procs = [start(a), start(b)]
+for p in procs:
+    while (line := p.stdout.readline()) and line.strip() != "ready":
+        pass
+def block(p):
+    p.stdin.write("go\n"); p.stdin.flush()
+    return float(p.stdout.readline())
+ta, tb = [], []
+for i in range(int(pairs)):
+    order = procs if i % 2 == 0 else procs[::-1]
+    r = {id(p): block(p) for p in order}
+    ta.append(int(steps) / r[id(procs[0])]); tb.append(int(steps) / r[id(procs[1])])
+for p in procs:
+    p.stdin.write("stop\n"); p.stdin.close(); p.wait()
+ratios = [y / x for x, y in zip(ta, tb)]
+out = {"a": a, "b": b, "dtype": dtype, "mode": mode, "steps_per_block": int(steps), "env": rest,
+       "a_tok_s": ta, "b_tok_s": tb, "median_a": statistics.median(ta), "median_b": statistics.median(tb),
+       "ratio_b_over_a": ratios, "median_ratio": statistics.median(ratios), "load": os.getloadavg()}
+print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if not isinstance(v, list)}))
+print("ratios", [round(r, 3) for r in sorted(ratios)])
+if len(sys.argv) > 8 and sys.argv[-1].endswith(".json"):
+    json.dump(out, open(sys.argv[-1], "w"), indent=1)

@@ -1,0 +1,21 @@
+"""benchmarks/ab_decode.py's child, one side of an interleaved A/B: loads an engine from the tree it runs in, then on each 'go'
+line from stdin runs N decode steps at batch 1 and prints the seconds they took."""
+import sys, time, os
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+import torch
+torch.set_num_threads(2)
+from bench_cpu import make_engine
+from hybrid_engine import SamplingParams
+folder, dtype, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+compile = len(sys.argv) > 4 and sys.argv[4] == "compiled"
+e = make_engine(folder, dtype, 1, compile=compile)
+params = SamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
+e.add_request(list(range(1, 33)), params)
+e.step()
+for _ in range(3 if not compile else 40): e.step()
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.strip() != "go": break
+    t = time.perf_counter()
+    for _ in range(steps): e.step()
+    print(time.perf_counter() - t, flush=True)
