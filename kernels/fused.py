@@ -101,12 +101,23 @@ def gdn_decode_torch(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv
                      state_pool: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
                      scale: float | None = None, rows: DecodeRows | None = None) -> torch.Tensor:
     """gdn_decode as the plain ops in sequence (the same contract)."""
+    return composed_gdn_decode(causal_conv1d_update, recurrent_gated_delta_rule, mixed, b, a, conv_weight, dt_bias,
+                               neg_decay_rate, conv_pool, state_pool, read_slots, write_slots, scale, rows)
+
+
+def composed_gdn_decode(conv_update, delta_rule, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                        conv_weight: torch.Tensor, dt_bias: torch.Tensor, neg_decay_rate: torch.Tensor,
+                        conv_pool: torch.Tensor, state_pool: torch.Tensor, read_slots: torch.Tensor,
+                        write_slots: torch.Tensor, scale: float | None = None,
+                        rows: DecodeRows | None = None) -> torch.Tensor:
+    """gdn_decode composed of a backend's conv update and recurrent rule (the torch form's, or the
+    triton backend's: kernels/triton/gdn_decode.py), the gates in torch ops."""
     B, T, _ = mixed.shape
     _, hv, dk, dv = state_pool.shape
     key_dim = (mixed.shape[-1] - hv * dv) // 2
     beta = torch.sigmoid(b)                                       # activation dtype, as HF
     g = neg_decay_rate * F.softplus(a.float() + dt_bias.float())
-    u = causal_conv1d_update(mixed, conv_weight, conv_pool, read_slots, write_slots, rows)
+    u = conv_update(mixed, conv_weight, conv_pool, read_slots, write_slots, rows)
     q, k, v = u.split([key_dim, key_dim, hv * dv], dim=-1)
-    return recurrent_gated_delta_rule(q.view(B, T, -1, dk), k.view(B, T, -1, dk), v.view(B, T, hv, dv), g, beta,
-                                      state_pool, read_slots, write_slots, scale, rows=rows)
+    return delta_rule(q.view(B, T, -1, dk), k.view(B, T, -1, dk), v.view(B, T, hv, dv), g, beta,
+                      state_pool, read_slots, write_slots, scale, rows=rows)

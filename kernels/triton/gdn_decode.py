@@ -5,8 +5,8 @@ composed them before the CPU op fused the step."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..fused import composed_gdn_decode
 from .conv import causal_conv1d_update
 from .gdn import recurrent_gated_delta_rule
 
@@ -15,12 +15,5 @@ def gdn_decode(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weigh
                dt_bias: torch.Tensor, neg_decay_rate: torch.Tensor, conv_pool: torch.Tensor,
                state_pool: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor,
                scale: float | None = None, rows=None) -> torch.Tensor:
-    B, T, _ = mixed.shape
-    _, hv, dk, dv = state_pool.shape
-    key_dim = (mixed.shape[-1] - hv * dv) // 2
-    beta = torch.sigmoid(b)                                       # activation dtype, as HF
-    g = neg_decay_rate * F.softplus(a.float() + dt_bias.float())
-    u = causal_conv1d_update(mixed, conv_weight, conv_pool, read_slots, write_slots, rows)
-    q, k, v = u.split([key_dim, key_dim, hv * dv], dim=-1)
-    return recurrent_gated_delta_rule(q.view(B, T, -1, dk), k.view(B, T, -1, dk), v.view(B, T, hv, dv), g, beta,
-                                      state_pool, read_slots, write_slots, scale, rows=rows)
+    return composed_gdn_decode(causal_conv1d_update, recurrent_gated_delta_rule, mixed, b, a, conv_weight, dt_bias,
+                               neg_decay_rate, conv_pool, state_pool, read_slots, write_slots, scale, rows)
