@@ -68,8 +68,9 @@ class CompiledSteps:
         options = {"guard_filter_fn": _engine_guards}
         backend = _inductor(freeze)
         # A steady-state decode step passes the last step's objects again: its graph call is
-        # replayed without dynamo's guards and prologue (graph_replay.py).
-        self._decode_replay = GraphReplay()
+        # replayed without dynamo's guards and prologue (graph_replay.py), its ints handed over
+        # as the tensors _inductor's C++ wrapper would make of them at every call.
+        self._decode_replay = GraphReplay(ints_as_tensors=True)
         self._decode = torch.compile(_own_code(self._decode_forward), backend=self._decode_replay.backend(backend),
                                      options=options)
         self._mtp = (torch.compile(_own_code(self._mtp_pass), backend=backend, options=options)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from hybrid_engine.graph_replay import GraphReplay
@@ -114,3 +115,28 @@ def test_python_side_effects_are_not_replayed():
     for n in range(3):
         replay.call(f, x, step)
         assert step.offset == 2 + n
+
+
+def _rows_scaled(x: torch.Tensor, step: _Step) -> tuple[torch.Tensor]:
+    return ((x * step.scale)[:step.offset].sum(1) + step.offset,)
+
+
+@pytest.mark.parametrize("ints_as_tensors", [False, True])
+def test_int_inputs_replay_through_the_cpp_wrapper(ints_as_tensors):
+    """The engine's backend (inductor with its C++ wrapper) on a graph with an int input (a
+    host int that changed between calls, so dynamo made it dynamic): a replay gives what the
+    function gives on the current values, and with ints_as_tensors it hands the recorded int
+    over as the 0-d int64 tensor the wrapper would make of it."""
+    from hybrid_engine.compiled_steps import _inductor
+    torch._dynamo.reset()
+    replay = GraphReplay(ints_as_tensors=ints_as_tensors)
+    f = torch.compile(_rows_scaled, backend=replay.backend(_inductor(False)))
+    x = torch.arange(24.0).reshape(6, 4)
+    replay.call(f, x, _Step(torch.tensor(2.0), 5))
+    step = _Step(torch.tensor(2.0), 4)
+    assert torch.equal(replay.call(f, x, step)[0], _rows_scaled(x, step)[0])
+    ints = [v for v in replay._inputs if type(v) is int or (isinstance(v, torch.Tensor) and v.dtype == torch.int64)]
+    assert [int(v) for v in ints] == [4] and isinstance(ints[0], torch.Tensor) == ints_as_tensors
+    x.mul_(-3)
+    step.scale.fill_(0.5)
+    assert torch.equal(replay.call(f, x, step)[0], _rows_scaled(x, step)[0]) and replay.replays == 1
