@@ -29,10 +29,12 @@ import warnings
 import torch
 import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
+import torch.compiler.config as compiler_config
 import torch.fx.experimental._config as fx_config
 from torch._inductor.compile_fx import compile_fx
 
 from hybrid_engine.kernels.cpu.isa import onednn_packs
+from hybrid_engine.kernels.cpu.ops import graph_cache_tag
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
 
@@ -150,9 +152,13 @@ def _inductor(freeze: bool):
     checks input sizes, is compiled C++ instead of Python (about 230 fewer C calls from the
     interpreter per step: a few hundred Python statements of ~1 us each against a step of ~1 ms).
     The native kernels are torch ops with C++ implementations (kernels/cpu/ops.py), which the
-    C++ wrapper calls through the dispatcher without Python."""
+    C++ wrapper calls through the dispatcher without Python. The graphs' on-disk cache is keyed
+    by those ops too (kernels/cpu/ops.py graph_cache_tag): a cached graph compiled against other
+    ops is never served."""
+    tag = graph_cache_tag()
+
     def backend(graph, example_inputs):
-        with inductor_config.patch(freezing=freeze, cpp_wrapper=True):
+        with inductor_config.patch(freezing=freeze, cpp_wrapper=True), compiler_config.patch(cache_key_tag=tag):
             return compile_fx(graph, example_inputs)
     return backend
 

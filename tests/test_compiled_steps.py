@@ -122,3 +122,22 @@ def test_steady_decode_replays_its_graph(ckpt, eager_runs):
     want = run_staggered(eager, [prompt], params, [0])[0]
     assert got.token_ids == want.token_ids
     assert replay.replays - before == sum(calls) >= 20
+
+
+def test_graph_cache_is_keyed_by_the_native_ops(monkeypatch):
+    """Inductor's on-disk cache keys a graph by its code and config, not by the ops it calls: the
+    engine's backend compiles with torch.compiler.config.cache_key_tag set to the native library's
+    name (its sources' key) and a digest of the fakes, so a graph compiled against other ops (an
+    earlier schema or fake) is never served."""
+    import hybrid_engine.compiled_steps as compiled_steps
+    from hybrid_engine.kernels.cpu.build import library_name
+    from hybrid_engine.kernels.cpu.ops import graph_cache_tag
+
+    tag = graph_cache_tag()
+    name = library_name()
+    assert tag.startswith(f"{name}:" if name is not None else "no-native-ops:") and len(tag.split(":")[1]) == 16
+    seen = []
+    monkeypatch.setattr(compiled_steps, "compile_fx",
+                        lambda graph, inputs: seen.append(torch.compiler.config.cache_key_tag) or graph)
+    compiled_steps._inductor(False)(torch.fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)])
+    assert seen == [tag] and torch.compiler.config.cache_key_tag == ""

@@ -73,6 +73,13 @@ def load_ops(level: str | None = None) -> torch._ops._OpNamespace | None:
     return _load(level)
 
 
+def library_name(level: str | None = None) -> str | None:
+    """The file name of the library `load_ops(level)` loaded (it carries the key of its sources,
+    headers, compiler, flags and torch version), or None where no library is loaded."""
+    level = cpu_level() if level is None else level
+    return _build(level).name if load_ops(level) is not None else None
+
+
 @functools.lru_cache(maxsize=None)
 def _load(level: str) -> torch._ops._OpNamespace | None:
     if os.environ.get("HYBRID_ENGINE_NATIVE_KERNELS", "1") == "0" or level == "none":

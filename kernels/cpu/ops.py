@@ -17,9 +17,12 @@ where its routing (can_run_native, decided once per call site from shapes and dt
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 
-from .build import load_ops
+from .build import library_name, load_ops
 
 BLOCK = 16          # output columns per block of a blocked weight (blocked.py)
 FAKES = {
@@ -47,3 +50,14 @@ def native_ops(level: str | None = None) -> torch._ops._OpNamespace | None:
             torch.library.register_fake(f"{ops.name}::{name}", fake)
         _FAKES_REGISTERED.add(ops.name)
     return ops
+
+
+def graph_cache_tag() -> str:
+    """What compiled graphs that call these ops must key their on-disk caches by (compiled_steps
+    sets it as torch.compiler.config.cache_key_tag while inductor compiles): the library's name,
+    which changes with the C++ (the kernels, the wrappers, the schemas), and a digest of this
+    file (the fakes). Inductor keys a cached graph by its code and config, not by the ops it
+    calls: a graph compiled against an earlier gdn_decode (other arguments, another fake) was
+    served from the cache and called the new op, which corrupted the heap (2026-12-01/02)."""
+    fakes = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return f"{library_name() or 'no-native-ops'}:{fakes}"
