@@ -79,16 +79,13 @@ def gdn_decode(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weigh
     modified in place; slots and rows as recurrent_gated_delta_rule. Returns o: [B, T, Hv, dv]
     in mixed.dtype.
 
-    On CPU, where the native kernels run (kernels/cpu/gdn_decode.py), an eager call is one op; the
-    torch form below serves everywhere else and is its reference. Compiled graphs take the torch
-    form (its conv update and rule are native ops there too, inductor fuses the gates): with the
-    fused op in the compiled verify graphs, the MTP benchmark's process (five compiled engines)
-    died of heap corruption and drafted garbage at AVX2 (2026-12-01); eager runs and the op's own
-    tests were clean. Until that is found, the op stays out of traced graphs.
+    On CPU, where the native kernels run (kernels/cpu/gdn_decode.py), the call is one op, in eager
+    steps and compiled graphs alike; the torch form below serves everywhere else and is its
+    reference.
     """
     dk = state_pool.shape[2]
     scale = dk ** -0.5 if scale is None else scale
-    if (not torch.compiler.is_compiling() and native_gdn_decode.can_run_native(mixed, b, a, conv_weight, conv_pool, state_pool)
+    if (native_gdn_decode.can_run_native(mixed, b, a, conv_weight, conv_pool, state_pool)
             and (rows is None or rows.independent)):
         return native_gdn_decode.gdn_decode_op(mixed, b, a, conv_weight, conv_pool, dt_bias, neg_decay_rate,
                                                state_pool, read_slots, write_slots, scale)

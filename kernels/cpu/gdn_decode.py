@@ -4,7 +4,7 @@ rule), one op per layer instead of the torch form's ~30 (kernels/fused.py `gdn_d
 the gates, the conv update, the q/k norm and the rule in sequence, the reference).
 
 The call is the operator `hybrid_engine_cpu::gdn_decode` (ops.py, C++ from the checks to the
-kernels); kernels/fused.py calls it from eager steps only (it says why). Like gdn_recurrent it takes any rows, copying
+kernels); eager steps and compiled graphs call it alike. Like gdn_recurrent it takes any rows, copying
 the first states of rows that depend on each other."""
 
 from __future__ import annotations
