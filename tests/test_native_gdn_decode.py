@@ -220,7 +220,7 @@ def test_native_declines_what_it_cannot_take():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_decode_takes_the_op_where_it_runs(torch_forms, dtype, compiled):
     """At a native level gdn_decode is the one op (no conv or rule op beside it), eager and in a
-    compiled graph alike; level none takes the torch form. The result is the torch form's."""
+    compiled graph alike, bitwise the torch form's result; level none takes the torch form."""
     case = Case(11, 2, 3, 2, 4, 32, 32, 4, dtype)
     want = case.run(torch_forms)
     op = fused.gdn_decode
@@ -232,7 +232,14 @@ def test_gdn_decode_takes_the_op_where_it_runs(torch_forms, dtype, compiled):
         got = case.run(op, rows=rows)
     ops = [e.name for e in prof.events() if e.name.startswith("hybrid_engine_cpu")]
     assert ops == (["hybrid_engine_cpu::gdn_decode"] if cpu_level() != "none" else [])
-    assert_same(got, want)
+    if compiled and cpu_level() == "none" and dtype == torch.bfloat16:
+        # level none compiles the torch form, and inductor's fusion of it keeps some of the eager
+        # form's bf16 roundings in float32
+        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+        assert torch.equal(got[1], want[1])                             # the windows: copies
+        torch.testing.assert_close(got[2], want[2], rtol=2e-2, atol=2e-2)
+    else:
+        assert_same(got, want)
 
 
 # ---------------------------------------------------------------- the engine on the op
