@@ -164,10 +164,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def gguf_path(work: Path, model: str, dtype: str) -> Path:
+    return work / "gguf" / f"{MODELS[model]['gguf']}-{GGUF_TYPES[dtype]}.gguf"
+
+
 def convert(tree: Path, folder: Path, dtype: str, work: Path, model: str = "0.8b") -> Path:
     """The checkpoint as GGUF of `dtype` (once), by llama.cpp's own converter (for the default
     model with its pre-tokenizer check patched: DEFAULT_MODEL_CONVERTER)."""
-    out = work / "gguf" / f"{MODELS[model]['gguf']}-{GGUF_TYPES[dtype]}.gguf"
+    out = gguf_path(work, model, dtype)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,13 +204,16 @@ def parse_llama_bench(output: str) -> dict[str, dict]:
     return results
 
 
-def llama_bench_command(binary: Path, gguf: Path, threads: int, runs: int, generate: int = GENERATE) -> list[str]:
-    return [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(PROMPT), "-n", str(generate),
+def llama_bench_command(binary: Path, gguf: Path, threads: int, runs: int, generate: int = GENERATE,
+                        prompt: int = PROMPT) -> list[str]:
+    """prompt 0: no pp run (tg only)."""
+    return [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(generate),
             "-r", str(runs), "-o", "json"]
 
 
-def run_llama_bench(binary: Path, gguf: Path, threads: int, runs: int, generate: int = GENERATE) -> dict[str, dict]:
-    command = llama_bench_command(binary, gguf, threads, runs, generate)
+def run_llama_bench(binary: Path, gguf: Path, threads: int, runs: int, generate: int = GENERATE,
+                    prompt: int = PROMPT) -> dict[str, dict]:
+    command = llama_bench_command(binary, gguf, threads, runs, generate, prompt)
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({out.returncode}):\n{out.stderr[-4000:]}")

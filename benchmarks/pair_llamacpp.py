@@ -28,15 +28,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_llamacpp import (GGUF_TYPES, LEVEL_ENV, MODELS, OUR_LEVEL, cpu_record, detected_level,  # noqa: E402
-                            llama_bench_path, model_folder, parse_llama_bench)
+                            gguf_path, llama_bench_path, model_folder, run_llama_bench)
 
 
 def llama_tg(binary: Path, gguf: Path, threads: int, steps: int) -> float:
-    command = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(steps), "-r", "1", "-o", "json"]
-    out = subprocess.run(command, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return parse_llama_bench(out.stdout)[f"tg{steps}"]["tok_s"]
+    return run_llama_bench(binary, gguf, threads, 1, steps, prompt=0)[f"tg{steps}"]["tok_s"]
 
 
 class Ours:
@@ -81,8 +77,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("pair_llamacpp.json"))
     args = ap.parse_args()
     folder = model_folder(args.model, args.work_dir, None)
-    gguf = args.work_dir / "gguf" / (f"default-{GGUF_TYPES[args.dtype]}.gguf" if args.model == "default"
-                                     else f"random-0.8b-{GGUF_TYPES[args.dtype]}.gguf")
+    gguf = gguf_path(args.work_dir, args.model, args.dtype)
     if not gguf.exists():
         raise SystemExit(f"{gguf} is missing: run bench_llamacpp.py --model {args.model} --prepare-only first")
     started = datetime.datetime.now().isoformat(timespec="seconds")
