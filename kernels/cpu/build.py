@@ -109,6 +109,7 @@ def _key(*parts: bytes | str) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)       # _load and library_name ask for it: keys computed once
 def _build(level: str) -> Path:
     """The library for `level`: its objects compiled (in parallel) where the cache lacks them,
     then linked against torch."""

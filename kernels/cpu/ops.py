@@ -17,6 +17,7 @@ where its routing (can_run_native, decided once per call site from shapes and dt
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def native_ops(level: str | None = None) -> torch._ops._OpNamespace | None:
     return ops
 
 
+@functools.lru_cache(maxsize=1)          # a constant of the process: every engine asks
 def graph_cache_tag() -> str:
     """What compiled graphs that call these ops must key their on-disk caches by (compiled_steps
     sets it as torch.compiler.config.cache_key_tag while inductor compiles): the library's name,
