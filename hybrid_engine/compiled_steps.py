@@ -9,15 +9,16 @@ it costs: compiling at the first steps of each kind (tens of seconds per graph o
 machine, the wrapper's C++ included; inductor caches them on disk across processes).
 
 What is compiled: steps without prefill tokens (plain decode, decode_len 1, and verify,
-decode_len k+1) and the MTP drafter's decode-sized passes (spec_decode/mtp_drafter.py), never
-padded. The kernels read nothing back to the host there, eager or traced: what they need to
-know about the step comes in the ForwardBatch. Prefill and mixed steps stay eager: their
-shapes change every step.
+decode_len k+1) and the MTP drafter's drafting after a decode-sized catch-up, all of its
+passes in one graph (spec_decode/draft_passes.py; after a prompt's catch-up, which stays
+eager, the draft passes alone), never padded. The kernels read nothing back to the host
+there, eager or traced: what they need to know about the step comes in the ForwardBatch.
+Prefill and mixed steps stay eager: their shapes change every step.
 
 Shapes: the token, request and block-table-width dims are marked dynamic and traced with
 size-oblivious reasoning (no specialisation on sizes 0 and 1 where it can be avoided), so a
-few graphs serve every batch: one per decode_len and MTP pass kind, plus a batch-1 variant
-where an op forces one.
+few graphs serve every batch: one per decode_len and MTP catch-up length, plus a batch-1
+variant where an op forces one.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ import torch.compiler.config as compiler_config
 import torch.fx.experimental._config as fx_config
 from torch._inductor.compile_fx import compile_fx
 
+from hybrid_engine.kernels import KernelBackend
 from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.kernels.cpu.ops import graph_cache_tag
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
+from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
 from .graph_replay import GraphReplay
 
@@ -75,8 +78,10 @@ class CompiledSteps:
         self._decode_replay = GraphReplay(ints_as_tensors=True)
         self._decode = torch.compile(_own_code(self._decode_forward), backend=self._decode_replay.backend(backend),
                                      options=options)
-        self._mtp = (torch.compile(_own_code(self._mtp_pass), backend=backend, options=options)
-                     if model.mtp is not None else None)
+        has_mtp = model.mtp is not None
+        self._mtp = torch.compile(_own_code(self._mtp_drafting), backend=backend, options=options) if has_mtp else None
+        self._mtp_continued = (torch.compile(_own_code(self._mtp_draft_passes), backend=backend, options=options)
+                               if has_mtp else None)
         # run(): the last batch it was given and its traceable form
         self._last_batch: ForwardBatch | None = None
         self._last_ids: torch.Tensor | None = None
@@ -97,27 +102,39 @@ class CompiledSteps:
             _mark_dynamic(input_ids, self._last_traceable)
         return self._decode_replay.call(self._decode, input_ids, self._last_traceable, caches)
 
-    def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """An MTP pass (HybridForCausalLM.mtp_forward) over segments of one length -> (its
-        output hidden at `rows`, None: every row; the greedy token from each of those)."""
+    def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
+                tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
+        """A step's MTP drafting, the catch-up pass over segments of one length and the k-1
+        draft passes after it (spec_decode/draft_passes.py), as one graph -> the drafts [D, k]."""
         batch = _traceable(batch)
         _mark_dynamic(tokens, batch)
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        if rows is not None:
-            torch._dynamo.maybe_mark_dynamic(rows, 0)
-        return self._mtp(tokens, hidden, batch, caches, rows)
+        for t in (tables, rows, seqs):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        return self._mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
+
+    def run_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
+                         kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
+        """Draft passes 2..k after an eager catch-up (DraftPasses.continued) as one graph ->
+        the drafts [D, k]."""
+        for t in (draft, h, last, tables):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        return self._mtp_continued(draft, h, last, tables, kernels, caches, passes)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_step(input_ids, batch, caches)
 
-    def _mtp_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                  caches: LayerCaches, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.model.mtp_forward(tokens, hidden, batch, caches)
-        if rows is not None:
-            h = h[rows]
-        return h, self.model.compute_logits(h).max(dim=-1).indices
+    def _mtp_drafting(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
+                      tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses
+                      ) -> torch.Tensor:
+        return passes(self.model, tokens, hidden, batch, caches, tables, rows, seqs)
+
+    def _mtp_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
+                          kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
+        return passes.continued(self.model, draft, h, last, tables, kernels, caches)
 
 
 def _engine_guards(entries) -> list[bool]:

@@ -279,11 +279,15 @@ class StepInputBuilder:
         seqs, ends, entries = torch.tensor(caps, dtype=torch.int64, device=self.positions.device).unbind(1)
         return GdnCaptures(seqs=seqs, ends=ends, entries=entries)
 
-    def build_mtp(self, segs: list[tuple[int, int, list[int]]]) -> ForwardBatch:
-        """An MTP pass (spec_decode/mtp_drafter.py) over segments (start, length, block table)
-        into the same buffers: positions, KV slots, lengths and the blocks attention reads. The
-        MTP layer is full attention only: the GDN fields stay empty. The next `build` packs
-        from scratch (the steady state's buffers are overwritten here)."""
+    def build_mtp(self, segs: list[tuple[int, int, list[int]]], lookahead: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """An MTP catch-up pass (spec_decode/mtp_drafter.py) over segments (start, length, block
+        table) into the same buffers: positions, KV slots, lengths and the blocks attention
+        reads -> (its batch, the segments' block tables covering `lookahead` positions past
+        each segment too: the draft passes after it read their blocks there, spec_decode/
+        draft_passes.py). The catch-up's own attention reads the narrower view: the same
+        blocks as without lookahead, so the same result to the last bit. The MTP layer is full
+        attention only: the GDN fields stay empty. The next `build` packs from scratch (the
+        steady state's buffers are overwritten here)."""
         self._last_decode = None
         bs = self.block_size
         positions, slots, cu, seq_lens, tables = [], [], [0], [], []
@@ -292,17 +296,19 @@ class StepInputBuilder:
             slots.extend(kv_slots(table, start, start + n, bs))
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-            tables.append(table[:(start + n + bs - 1) // bs])        # the blocks attention reads
+            tables.append(table[:(start + n + lookahead + bs - 1) // bs])
         t, n_seq = len(positions), len(segs)
         width = max(len(tb) for tb in tables)
+        read_width = (max(seq_lens) + bs - 1) // bs          # the blocks the catch-up's attention reads
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
         # One host-to-tensor conversion for all five fields (each costs more than a copy).
         fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(
             [t, t, n_seq + 1, n_seq, len(padded)])
-        bt = self.block_tables[:n_seq, :width]
+        tables_ahead = self.block_tables[:n_seq, :width]
         for buffer, values in zip((self.positions[:t], self.slot_mapping[:t], self.cu_seqlens[:n_seq + 1],
-                                   self.seq_lens[:n_seq], bt), fields):
+                                   self.seq_lens[:n_seq], tables_ahead), fields):
             buffer.copy_(values.view(buffer.shape))
+        bt = tables_ahead[:, :read_width]
         no_slots = self.state_slots[:0]
         return ForwardBatch(
             positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],
@@ -312,7 +318,7 @@ class StepInputBuilder:
             num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
             attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True,
                                        keyless=self.keyless_query_lens),
-            decode_rows=None, chunks=None)
+            decode_rows=None, chunks=None), tables_ahead
 
 
 @dataclass

@@ -9,7 +9,8 @@ positions the target committed (a prefill chunk, or the accepted part of a verif
 KV always matches the committed tokens. For requests that sampled, the output at the last
 committed position gives draft 1; drafts 2..k reuse the same layer one token at a time,
 fed with the MTP's own output hidden state. Those later positions are overwritten by the
-next catch-up, which keeps the MTP KV consistent after rejections.
+next catch-up, which keeps the MTP KV consistent after rejections. The catch-up and the
+draft passes of a step are one call (spec_decode/draft_passes.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid_engine.models import ForwardBatch, HybridForCausalLM
+from hybrid_engine.spec_decode.draft_passes import DraftPasses
 from hybrid_engine.state_cache import HybridCacheManager
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ class MTPDrafter:
         self.k = num_speculative_tokens
         self.builder = builder          # packs the passes into the step inputs' buffers
         self.compiled = compiled        # hybrid_engine.compiled_steps.CompiledSteps or None
+        self.passes = DraftPasses(num_speculative_tokens, builder.block_size, 1 in builder.keyless_query_lens)
         self.device = model.norm.weight.device
 
     @torch.inference_mode()
@@ -59,45 +62,36 @@ class MTPDrafter:
         tokens = self._tensor([t for c in catchups for t in c.next_tokens])
         hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
         drafting = [i for i, c in enumerate(catchups) if c.draft]
-        ends = segs_end_rows(segs)
-        h_last, draft = self._pass(tokens, hidden, segs, [ends[i] for i in drafting])
         if not drafting:
+            self.model.mtp_forward(tokens, hidden, self._batch(segs, 0)[0], self.cache)
             return {}
-        drafts = [draft]
-        ids = [catchups[i].request_id for i in drafting]
-        pos = [catchups[i].start + len(catchups[i].next_tokens) - 1 for i in drafting]
-        for _ in range(self.k - 1):
-            pos = [p + 1 for p in pos]
-            h_last, draft = self._pass(draft, h_last, [(rid, p, 1) for rid, p in zip(ids, pos)], None)
-            drafts.append(draft)
-        stacked = torch.stack(drafts, dim=1).tolist()
-        return dict(zip(ids, stacked))
-
-    def _pass(self, tokens: torch.Tensor, hidden: torch.Tensor, segs: list[tuple[str, int, int]],
-              rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One MTP pass over segs -> (its output hidden at `rows`, None: at every row; the
-        greedy token from each of those, None when rows is empty)."""
-        batch = self._batch(segs)
+        # Block tables that also cover the k-1 draft positions after the catch-up.
+        batch, tables = self._batch(segs, self.k - 1)
+        ends = segs_end_rows(segs)
+        rows, seqs = self._tensor([ends[i] for i in drafting] + drafting).split(len(drafting))
         n = segs[0][2]
-        # Compiled passes are decode-sized (a prompt's catch-up is not) with segments of one
-        # length (attention then needs no per-length split), and draft from some row.
-        if (self.compiled is not None and rows != [] and n <= self.k + 1
-                and all(m == n for _, _, m in segs)):
-            index = None if rows is None else self._tensor(rows)
-            return self.compiled.run_mtp(tokens, hidden, batch, self.cache, index)
-        h = self.model.mtp_forward(tokens, hidden, batch, self.cache)
-        if rows is not None:
-            if not rows:
-                return h[:0], None
-            h = h[rows[0]:rows[0] + 1] if len(rows) == 1 else h.index_select(0, self._tensor(rows))
-        return h, self.model.compute_logits(h).max(dim=-1).indices     # max: cheaper than argmax on CPU
+        if self.compiled is None:
+            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, tables, rows, seqs)
+        elif n <= self.k + 1 and all(m == n for _, _, m in segs):
+            # A decode-sized catch-up of segments of one length (attention needs no per-length
+            # split): all of drafting in one graph.
+            drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache, tables, rows, seqs, self.passes)
+        else:
+            # A prompt's catch-up (its length changes every time) stays eager; the draft
+            # passes after it are one graph.
+            h, draft = self.passes.catch_up(self.model, tokens, hidden, batch, self.cache, rows)
+            drafts = self.compiled.run_draft_passes(draft, h, batch.positions[rows], tables[seqs], batch.kernels,
+                                                    self.cache, self.passes)
+        return dict(zip([catchups[i].request_id for i in drafting], drafts.tolist()))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _batch(self, segs: list[tuple[str, int, int]]) -> ForwardBatch:
-        """The pass's metadata, packed by the step-input builder into its own buffers."""
-        return self.builder.build_mtp([(start, n, self.cache.get(rid).block_table) for rid, start, n in segs])
+    def _batch(self, segs: list[tuple[str, int, int]], lookahead: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """The catch-up pass's metadata, packed by the step-input builder into its own buffers,
+        and block tables covering `lookahead` positions more."""
+        return self.builder.build_mtp([(start, n, self.cache.get(rid).block_table) for rid, start, n in segs],
+                                      lookahead)
 
 
 def segs_end_rows(segs: list[tuple[str, int, int]]) -> list[int]:

@@ -1,4 +1,4 @@
-"""enable_torch_compile (hybrid_engine/compiled_steps.py): decode, verify and MTP passes run
+"""enable_torch_compile (hybrid_engine/compiled_steps.py): decode, verify and MTP drafting run
 through torch.compile give the eager engine's tokens and (within float32 rounding) logprobs,
 batches of every size reuse the graphs made for the first ones, and nothing leaks.
 
@@ -33,18 +33,22 @@ class _Counted:
     """Counts the calls that went through the compiled functions, by batch size."""
 
     def __init__(self, compiled: CompiledSteps):
-        self.decode, self.mtp = [], []
-        run, run_mtp = compiled.run, compiled.run_mtp
+        self.decode, self.mtp, self.draft_passes = [], [], []
+        run, run_mtp, run_draft_passes = compiled.run, compiled.run_mtp, compiled.run_draft_passes
 
         def counted_run(input_ids, batch, caches):
             self.decode.append((batch.decode_len, batch.num_decodes))
             return run(input_ids, batch, caches)
 
-        def counted_mtp(tokens, hidden, batch, caches, rows):
+        def counted_mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes):
             self.mtp.append(batch.seq_lens.numel())
-            return run_mtp(tokens, hidden, batch, caches, rows)
+            return run_mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
 
-        compiled.run, compiled.run_mtp = counted_run, counted_mtp
+        def counted_draft_passes(draft, h, last, tables, kernels, caches, passes):
+            self.draft_passes.append(draft.numel())
+            return run_draft_passes(draft, h, last, tables, kernels, caches, passes)
+
+        compiled.run, compiled.run_mtp, compiled.run_draft_passes = counted_run, counted_mtp, counted_draft_passes
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,8 @@ def test_compiled_steps_match_eager(ckpt, eager_runs, k):
     assert {n for _, n in counted.decode} >= {1, 2, 3}, "compiled decode steps of several batch sizes"
     assert {L for L, _ in counted.decode} == {1 + k}
     if k:
-        assert len(counted.mtp) > 0
+        assert len(counted.mtp) > 0                  # drafting after a verify's catch-up
+        assert len(counted.draft_passes) > 0         # the draft passes after a prompt's
     assert engine.cache.num_free_slots == engine.cache.num_slots
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
 

@@ -152,11 +152,11 @@ def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
         build_mtp = engine.builder.build_mtp
         seen = keys_seen[keyless] = set()
 
-        def recording(segs, build_mtp=build_mtp, seen=seen):
-            batch = build_mtp(segs)
+        def recording(segs, lookahead, build_mtp=build_mtp, seen=seen):
+            batch, tables = build_mtp(segs, lookahead)
             if len({n for _, n, _ in segs}) == 1:
                 seen.add((segs[0][1], batch.attention.keys is not None))
-            return batch
+            return batch, tables
         engine.builder.build_mtp = recording
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         ids = [engine.add_request([3, 1, 4, 1, 5][:n], params) for n in (2, 5)]
@@ -199,18 +199,18 @@ def test_earlier_outputs_do_not_change(ckpt):
 
 
 def test_mtp_passes_are_packed_in_the_step_buffers(ckpt):
-    """One input batch: the drafter's passes read the builder's persistent buffers (no copies
-    of their own), with the facts a pass needs (the MTP layer is attention only)."""
+    """One input batch: the drafter's catch-up passes read the builder's persistent buffers (no
+    copies of their own), with the facts a pass needs (the MTP layer is attention only)."""
     engine = _engine(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     b, passes = engine.builder, []
     batch = engine.drafter._batch
 
-    def recorded(segs):
-        out = batch(segs)
+    def recorded(segs, lookahead):
+        out, tables = batch(segs, lookahead)
         # read now: later steps overwrite the buffers these views show
         assert out.seq_lens.tolist() == [start + n for _, start, n in segs]
         passes.append(out)
-        return out
+        return out, tables
 
     engine.drafter._batch = recorded
     for prompt in ([5, 17, 3, 99, 250, 8], [1, 2, 3]):
