@@ -5,10 +5,13 @@ projection and know no layout.
 
 Layouts, by what the process's level allows (kernels/cpu/isa.py):
 
-- Plain: the weight as loaded. Small weights stay plain: a product of a few hundred KB is over
-  in microseconds, and the native kernel's call (dispatch, output allocation) costs a few more
+- Plain: the weight as loaded. Small float32 weights stay plain where MKL's GEMV is tuned for
+  the CPU (`isa.mkl_gemv_is_tuned`: Intel's): a product of a few hundred KB is over in
+  microseconds, and the native kernel's call (dispatch, output allocation) costs a few more
   than MKL's (the default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when
-  blocked). For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
+  blocked). On other vendors' CPUs MKL runs generic code, 2-3x slower than the native kernel
+  for these shapes, so every blockable float32 weight is blocked there (AMD EPYC, AVX-512,
+  the default model compiled: 1.6x the batch-1 decode). For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
   (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
   ms over 24 layers, 2 threads), so `plain_linear` asks for the latter there and transposes the
   small result back; at 1-3 rows MKL's GEMV path is faster, from 64 rows on x W^T wins again.
@@ -49,10 +52,10 @@ import torch
 import torch.nn.functional as F
 
 from .blocked import BLOCK, block_weight, blocked_linear, can_block
-from .isa import at_least, onednn_packs
+from .isa import at_least, mkl_gemv_is_tuned, onednn_packs
 
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
-BLOCKED_MIN_BYTES = 1 << 20         # smaller weights stay plain (see the module docstring)
+BLOCKED_MIN_BYTES = 1 << 20         # smaller weights may stay plain (see the module docstring)
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
@@ -143,9 +146,11 @@ def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: 
     blocked bf16 copy beside a packed or plain weight."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.is_meta:
         return PlainProjection(weight)
-    blockable = can_block(weight) and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
+    small = weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES
     if weight.dtype == torch.float32:
-        return BlockedProjection(weight) if blockable else PlainProjection(weight)
+        blocked = can_block(weight) and not (small and mkl_gemv_is_tuned())
+        return BlockedProjection(weight) if blocked else PlainProjection(weight)
+    blockable = can_block(weight) and not small
     if not onednn_packs(weight.dtype):
         if not (blockable and weight.dtype == torch.bfloat16):
             return PlainProjection(weight)
