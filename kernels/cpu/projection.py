@@ -57,6 +57,8 @@ from .isa import at_least, mkl_gemv_is_tuned, onednn_packs
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
 BLOCKED_MIN_BYTES = 1 << 20         # smaller weights may stay plain (see the module docstring)
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
+BLOCK_SHIFT = BLOCK.bit_length() - 1
+assert BLOCK == 1 << BLOCK_SHIFT     # (rows() gathers by shift and mask)
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
 
@@ -104,7 +106,10 @@ class BlockedProjection(Projection):
         return blocked_linear(x, self.blocked)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        picked = self.blocked[ids // BLOCK, :, ids % BLOCK]          # [n, K] or [n, K/2, 2] (bf16 pairs)
+        # shift and mask, not // and %: in a compiled step inductor inlines this gather into every
+        # consumer of the embedding and there divides int64 vectors element by element (generic
+        # code; a tenth of a default-model step on an AMD EPYC)
+        picked = self.blocked[ids >> BLOCK_SHIFT, :, ids & (BLOCK - 1)]   # [n, K] or [n, K/2, 2] (bf16)
         return picked.reshape(ids.shape[0], -1)[:, :self.in_features]
 
 
