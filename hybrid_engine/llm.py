@@ -34,14 +34,15 @@ class LLM:
         (vLLM's flag and values)."""
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
-        self.loop = EngineLoop(LLMEngine(EngineConfig(
+        config = EngineConfig(
             model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cache_memory_bytes=cache_memory_bytes,
             speculative_config=speculative_config, max_model_len=max_model_len, device=device, seed=seed,
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
             enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy,
             enable_prefix_caching=enable_prefix_caching, prefix_checkpoints=prefix_checkpoints,
-            prefix_checkpoint_interval=prefix_checkpoint_interval)))
+            prefix_checkpoint_interval=prefix_checkpoint_interval)
+        self.loop = EngineLoop(lambda: LLMEngine(config))   # built on the loop thread (engine_loop.py)
         self._generation_defaults = (load_generation_defaults(self.engine.config.model)
                                      if generation_config == "auto" else {})
 

@@ -118,7 +118,7 @@ def test_automatic_ids_never_collide_with_chosen_ones(ckpt):
     ids = {engine.add_request([1, 2], greedy(1)) for _ in range(150)}
     assert len(ids) == 150 and not ids & {"100", "3"}
 
-    loop = EngineLoop(LLMEngine(EngineConfig(model=str(ckpt), dtype="float32")))
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model=str(ckpt), dtype="float32")))
     chosen = loop.submit([1, 2], greedy(50), request_id="5")
     with pytest.raises(ValueError, match="already in use"):
         loop.submit([1, 2], greedy(1), request_id="5")
@@ -168,7 +168,7 @@ def test_submit_validates_in_the_callers_thread_and_queues_nothing(llm):
 
 
 def test_shutdown_aborts_what_runs(ckpt):
-    loop = EngineLoop(LLMEngine(EngineConfig(model=str(ckpt), dtype="float32")))
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model=str(ckpt), dtype="float32")))
     outputs = iter(loop.submit([1, 2, 3], greedy(3000)))
     next(outputs)
     loop.shutdown()
