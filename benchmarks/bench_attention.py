@@ -67,9 +67,12 @@ def timed(fn, runs: int) -> list[float]:
 
 def decode(folder: str, dtype: str, context: int, steps: int, rounds: int) -> tuple[float, float]:
     """-> median batch-1 decode step ms (in place, gather + sdpa) after a `context`-token prompt."""
-    from hybrid_engine import LLM, SamplingParams
-    engine = LLM(model=folder, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=max(2048, context),
-                 max_model_len=context + 2 * steps * rounds + 8).engine
+    from hybrid_engine import SamplingParams
+    from hybrid_engine.config import EngineConfig
+    from hybrid_engine.engine import LLMEngine
+    # stepped on this thread: no LLM loop thread beside it (hybrid_engine/engine_loop.py)
+    engine = LLMEngine(EngineConfig(model=folder, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=max(2048, context),
+                                    max_model_len=context + 2 * steps * rounds + 8))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, QWEN35_08B_CONFIG["vocab_size"], (context,), generator=g).tolist()
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2 * steps * rounds + 2, ignore_eos=True))

@@ -106,11 +106,14 @@ def engine_prefill(engine, vocab: int, seed: int = 1) -> dict:
 
 
 def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False, prefix_caching: bool = True):
-    from hybrid_engine import LLM
-    return LLM(model=folder, dtype=dtype, max_num_seqs=max_batch,
-               max_num_batched_tokens=max(2048, max_batch * DECODE_PROMPT_LEN),
-               max_model_len=MAX_MODEL_LEN, enable_torch_compile=compile,
-               enable_prefix_caching=prefix_caching).engine
+    """An LLMEngine stepped on the caller's thread (no LLM: its loop thread would be a second
+    thread running torch's parallel ops, which halves small steps; hybrid_engine/engine_loop.py)."""
+    from hybrid_engine.config import EngineConfig
+    from hybrid_engine.engine import LLMEngine
+    return LLMEngine(EngineConfig(model=folder, dtype=dtype, max_num_seqs=max_batch,
+                                  max_num_batched_tokens=max(2048, max_batch * DECODE_PROMPT_LEN),
+                                  max_model_len=MAX_MODEL_LEN, enable_torch_compile=compile,
+                                  enable_prefix_caching=prefix_caching))
 
 
 def hf_generate(model, ids, new_tokens: int, timer: ForwardTimer) -> float:

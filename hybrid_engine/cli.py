@@ -100,9 +100,22 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
-    import torch
-
     from . import LLM
+
+    return LLM(**engine_arguments(args, num_speculative_tokens, dtype))
+
+
+def build_engine(args, num_speculative_tokens: int = 0, dtype: str | None = None):
+    """An LLMEngine with build_llm's settings, for stepping on the caller's thread (no loop thread)."""
+    from .config import EngineConfig
+    from .engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**engine_arguments(args, num_speculative_tokens, dtype)))
+
+
+def engine_arguments(args, num_speculative_tokens: int = 0, dtype: str | None = None) -> dict:
+    """The engine flags, checked, as LLM's (and EngineConfig's) keyword arguments."""
+    import torch
 
     if args.model is not None and not Path(args.model).is_dir():
         raise CLIError(f"model folder not found: {args.model}")
@@ -116,11 +129,11 @@ def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
         raise CLIError(f"--speculative-tokens must be >= 0, got {num_speculative_tokens}")
     spec = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
     seqs = args.max_num_seqs
-    return LLM(model=args.model, dtype=dtype or args.dtype, device=args.device, block_size=args.block_size,
-               max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * (1 + num_speculative_tokens)),
-               speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False),
-               cache_memory_bytes=getattr(args, "cache_memory_bytes", None),
-               enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
+    return dict(model=args.model, dtype=dtype or args.dtype, device=args.device, block_size=args.block_size,
+                max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * (1 + num_speculative_tokens)),
+                speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False),
+                cache_memory_bytes=getattr(args, "cache_memory_bytes", None),
+                enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
 
 
 def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()

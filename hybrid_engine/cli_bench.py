@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import (CLIError, add_engine_arguments, add_sampling_arguments, build_llm, console, dtype_name,
+from .cli import (CLIError, add_engine_arguments, add_sampling_arguments, build_engine, console, dtype_name,
                   encode_prompts, read_prompt_file, sampling_params, write_json)
 
 if TYPE_CHECKING:
@@ -110,12 +110,32 @@ def run(args) -> int:
     return 0
 
 
+class SteppedEngine:
+    """An engine stepped on the bench's own thread, with the part of LLM's API the bench uses.
+    Not LLM: each LLM's loop thread would be one more thread running torch's parallel ops, and
+    with several alive every engine's small steps ran at half speed (hybrid_engine/engine_loop.py)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def generate(self, prompts, params, use_tqdm: bool = False) -> list:
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        final = {}
+        while len(final) < len(ids):
+            final.update((out.request_id, out) for out in self.engine.step() if out.finished)
+        return [final[i] for i in ids]
+
+
 def _load_and_warm_up(args, ks: list[int], raw: list, params, bar) -> tuple[dict, list]:
-    """-> ({k: LLM}, the prompts as the engines take them), each engine run once."""
+    """-> ({k: SteppedEngine}, the prompts as the engines take them), each engine run once."""
     llms = {}
     for k in ks:
         bar.set_description(f"bench: warm-up k={k}")
-        llms[k] = build_llm(args, k)
+        llms[k] = SteppedEngine(build_engine(args, k))
         if k == 0:
             # A model without mtp.* weights fails at the first k > 0 (LLMEngine's ValueError):
             # the k = 0 engine no longer loads the MTP head, so it cannot tell.
