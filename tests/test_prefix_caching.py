@@ -85,8 +85,12 @@ def test_gdn_state_after_a_hit_matches_the_recomputed_state(ckpts):
         assert out.num_cached_tokens == (64 if on else 0)
         rc = engine.cache.get("b")
         states[on] = [t[rc.slot].clone() for t in engine.cache.conv_states + engine.cache.recurrent_states]
+    # The same state up to float32 rounding: b's suffix prefill runs its products on 9 rows, the
+    # recompute on 73, and on an AMD EPYC MKL's float32 GEMM rounds differently by row count
+    # (1.7e-6 seen, on main before this tolerance too; the native kernel is row-count invariant).
+    # A state that missed or repeated tokens differs by orders of magnitude more.
     for cached, recomputed in zip(states[True], states[False]):
-        torch.testing.assert_close(cached, recomputed, atol=1e-6, rtol=0)
+        torch.testing.assert_close(cached, recomputed, atol=1e-5, rtol=0)
 
 
 def test_a_shared_100_token_prefix_hits_96_tokens(ckpts):
