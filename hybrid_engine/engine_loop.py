@@ -10,8 +10,9 @@ AsyncLLM hands outputs to per-request queues the same way).
 
 The loop thread also builds the engine (`EngineLoop(make_engine)`), so that it is the process's
 only thread that runs torch's parallel CPU ops. Each thread that does gets an OpenMP team of
-its own, and while two teams are alive there are more OpenMP threads than cores: libgomp then
-stops spinning between parallel regions and every region waits on a futex. Measured on a
+its own, and while two teams are alive there are more OpenMP threads than cores (libgomp then
+most likely stops spinning between parallel regions, so each one waits on a wake-up; not
+verified: GOMP_SPINCOUNT did not change it). Measured on a
 2-core AMD EPYC, default model, batch-1 decode: 540-660 tok/s, and 220-250 while a second
 thread that had run one matrix product was alive. Loading on the caller's thread and stepping
 on the loop thread was such a pair, so `LLM.generate` decoded at half speed.

@@ -194,3 +194,22 @@ def test_llm_seed_makes_unseeded_samples_reproducible(ckpt):
     a = LLM(model=str(ckpt), dtype="float32", seed=0).generate([1, 2, 3], seeded, use_tqdm=False)[0]
     b = LLM(model=str(ckpt), dtype="float32", seed=1).generate([1, 2, 3], seeded, use_tqdm=False)[0]
     assert a.token_ids == b.token_ids                 # a request's own seed wins
+
+
+def test_the_engine_is_built_on_the_loop_thread_and_a_failed_build_raises_in_the_caller(ckpt):
+    # one thread runs torch's parallel ops: building on the caller's thread left two OpenMP teams
+    built_on = []
+
+    def make():
+        built_on.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=str(ckpt), dtype="float32"))
+    loop = EngineLoop(make)
+    assert built_on == [loop.run_on_loop(lambda engine: threading.current_thread())]
+    assert built_on[0] is not threading.current_thread()
+    assert len(list(loop.submit([1, 2], greedy(3)))[-1].token_ids) == 3
+    loop.shutdown()
+
+    def broken():
+        raise ValueError("no such model")
+    with pytest.raises(ValueError, match="no such model"):
+        EngineLoop(broken)
