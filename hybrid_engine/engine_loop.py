@@ -97,7 +97,7 @@ class EngineLoop:
             request_id = self._reserve_id(request_id)
             self._consumers[request_id] = on_output
             self._commands.append(lambda: self._add(request_id, text, token_ids, params))
-            self._start_or_wake()
+            self._wake.notify()
         return RequestStream(self, request_id, buffer)
 
     def abort(self, request_id: str) -> None:
@@ -105,7 +105,7 @@ class EngineLoop:
         with self._wake:
             if request_id in self._consumers and not self._closed:
                 self._commands.append(lambda: self._abort(request_id))
-                self._start_or_wake()
+                self._wake.notify()
 
     def run_on_loop(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the loop thread (between steps) and returns its result."""
@@ -123,7 +123,7 @@ class EngineLoop:
             if self._closed:
                 raise RuntimeError("the engine loop is shut down")
             self._commands.append(call)
-            self._start_or_wake()
+            self._wake.notify()
         return done.result()
 
     def shutdown(self) -> None:
@@ -133,9 +133,8 @@ class EngineLoop:
                 return
             self._closed = True
             self._wake.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _reserve_id(self, request_id: str | None) -> str:
         if request_id is None:
@@ -146,9 +145,6 @@ class EngineLoop:
         elif request_id in self._consumers:
             raise ValueError(f"request id {request_id!r} is already in use")
         return request_id
-
-    def _start_or_wake(self) -> None:
-        self._wake.notify()
 
     # ---- the loop thread -----------------------------------------------------------------
     def _run(self, make_engine: Callable[[], LLMEngine], built: Future) -> None:
