@@ -10,8 +10,9 @@ Layouts, by what the process's level allows (kernels/cpu/isa.py):
   microseconds, and the native kernel's call (dispatch, output allocation) costs a few more
   than MKL's (the default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when
   blocked). On other vendors' CPUs MKL runs generic code, 2-3x slower than the native kernel
-  for these shapes, so every blockable float32 weight is blocked there (AMD EPYC, AVX-512,
-  the default model compiled: 1.6x the batch-1 decode). For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
+  for these shapes, so every blockable float32 weight is blocked there (AMD EPYC, AVX-512, the
+  default model's batch-1 decode: 1.35x compiled, 1.43x eager). For 8-32 rows of x, MKL
+  computes float32 x W^T 1.1-1.6x slower than W x^T
   (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
   ms over 24 layers, 2 threads), so `plain_linear` asks for the latter there and transposes the
   small result back; at 1-3 rows MKL's GEMV path is faster, from 64 rows on x W^T wins again.
@@ -108,7 +109,7 @@ class BlockedProjection(Projection):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         # shift and mask, not // and %: in a compiled step inductor inlines this gather into every
         # consumer of the embedding and there divides int64 vectors element by element (generic
-        # code; a tenth of a default-model step on an AMD EPYC)
+        # code; 3.5% of a compiled default-model step's samples on an AMD EPYC, 1.8% as shifts)
         picked = self.blocked[ids >> BLOCK_SHIFT, :, ids & (BLOCK - 1)]   # [n, K] or [n, K/2, 2] (bf16)
         return picked.reshape(ids.shape[0], -1)[:, :self.in_features]
 
