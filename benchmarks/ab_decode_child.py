@@ -3,7 +3,7 @@ line from stdin runs N decode steps at batch 1 and prints the seconds they took.
 import sys, time, os
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("AB_THREADS", "2")))
 from bench_cpu import make_engine
 from hybrid_engine import SamplingParams
 folder, dtype, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])

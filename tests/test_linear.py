@@ -75,8 +75,30 @@ def test_the_chosen_projection_matches_f_linear_at_this_level(block_every_size, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_off_the_cpu_or_unblockable_stay_plain(block_every_size, dtype):
-    assert type(choose_projection(torch.randn(20, 24).to(dtype))) in (PlainProjection, OneDNNProjection)
     assert type(choose_projection(torch.randn(32, 24, device="meta").to(dtype))) is PlainProjection
+    assert type(choose_projection(torch.randn(32, 24, dtype=torch.float64))) is PlainProjection
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(20, 24), (392, 192), (9, 37)])     # the default model's GDN in_proj: 392
+def test_rows_off_the_block_are_padded_and_cropped(block_every_size, dtype, n, k):
+    """A weight whose row count is not a multiple of 16 is blocked with zero rows after it: the
+    product has exactly its n columns, contiguous, at every row count and in every form."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    proj = choose_projection(w, onednn=False, few_rows_copy=True)
+    blocked = proj.few if isinstance(proj, FewRowsSplit) else proj
+    assert isinstance(blocked, BlockedProjection) and blocked.blocked.shape[0] == -(-n // 16)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2      # sums of up to 192 products of N(0, 1)
+    for rows in (1, 3, 17, 40):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for form in {proj, blocked}:
+            out = form(x)
+            assert out.shape == (rows, n) and out.is_contiguous()
+            torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=tol, atol=tol)
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(blocked.rows(ids), w[ids])
 
 
 # ---- the native blocked kernel (kernels/cpu/blocked_linear.cpp) -------------------------------
@@ -231,14 +253,14 @@ def test_blocked_rows_are_the_weights_rows(dtype):
 def test_prepare_projections_blocks_float32_and_leaves_odd_shapes(block_every_size):
     m = nn.Module()
     m.a = nn.Linear(24, 32, bias=False)
-    m.b = nn.Linear(24, 20, bias=False)                   # 20 rows: not blockable, stays as is
+    m.b = nn.Linear(24, 32, bias=False, dtype=torch.float64)   # not blockable, stays as is
     x = torch.randn(4, 24)
-    want_a, want_b = m.a(x), m.b(x)
+    want_a, want_b = m.a(x), m.b(x.double())
     assert prepare_projections(m, ["a.weight", "b.weight"])
     assert isinstance(m.a.weight, BlockedProjection) and isinstance(m.b.weight, nn.Parameter)
     assert "a.weight" not in m.state_dict() and "b.weight" in m.state_dict()
     torch.testing.assert_close(linear(x, m.a.weight), want_a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(x, m.b.weight), want_b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x.double(), m.b.weight), want_b, rtol=1e-5, atol=1e-5)
     assert not prepare_projections(m, ["a.weight", "b.weight"])    # chosen once
 
 

@@ -51,9 +51,10 @@ def unblock_weight(w_blocked: torch.Tensor, k: int) -> torch.Tensor:
     return w.reshape(-1, k)
 
 
-def can_block(weight: torch.Tensor) -> bool:
+def can_block(weight: torch.Tensor, padded: bool = False) -> bool:
+    """Whether the kernel can run `weight`; padded: once its rows are padded to a multiple of BLOCK."""
     return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
-            and weight.shape[0] % BLOCK == 0 and native_available())
+            and (padded or weight.shape[0] % BLOCK == 0) and native_available())
 
 
 def native_available() -> bool:
