@@ -106,7 +106,10 @@ class BlockedProjection(Projection):
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.blocked = block_weight(F.pad(weight.detach(), (0, 0, 0, -weight.shape[0] % BLOCK)))
+        pad = -self.out_features % BLOCK
+        # (padded only where needed: F.pad copies even by zero rows, a transient second copy of
+        # e.g. a 1 GB lm_head at load)
+        self.blocked = block_weight(F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._crop(blocked_linear(x, self.blocked))
