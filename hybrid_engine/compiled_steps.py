@@ -37,6 +37,7 @@ from torch._inductor.compile_fx import compile_fx
 from hybrid_engine.kernels import KernelBackend
 from hybrid_engine.kernels.cpu.isa import onednn_packs
 from hybrid_engine.kernels.cpu.ops import graph_cache_tag
+from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
@@ -46,6 +47,10 @@ from .graph_replay import GraphReplay
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
+
+
+# Drafting calls kept for replay: one per catch-up length of a verify (1..k+1 tokens per request).
+MTP_REPLAYS = 8
 
 
 class CompiledSteps:
@@ -79,7 +84,14 @@ class CompiledSteps:
         self._decode = torch.compile(_own_code(self._decode_forward), backend=self._decode_replay.backend(backend),
                                      options=options)
         has_mtp = model.mtp is not None
-        self._mtp = torch.compile(_own_code(self._mtp_drafting), backend=backend, options=options) if has_mtp else None
+        # Drafting after a verify of the same length is replayed too: its inputs are staged in
+        # buffers of this object's own (the tokens, hidden rows and row indices otherwise come
+        # in new tensors at every step), its batch and tables are the builder's views.
+        self._mtp_replay = GraphReplay(ints_as_tensors=True, keep=MTP_REPLAYS)
+        self._mtp = (torch.compile(_own_code(self._mtp_drafting), backend=self._mtp_replay.backend(backend),
+                                   options=options) if has_mtp else None)
+        self._mtp_staging = _Staging()
+        self._last_mtp: list[tuple[tuple, tuple]] = []     # run_mtp's latest inputs and their traceable form
         self._mtp_continued = (torch.compile(_own_code(self._mtp_draft_passes), backend=backend, options=options)
                                if has_mtp else None)
         # run(): the last batch it was given and its traceable form
@@ -97,22 +109,41 @@ class CompiledSteps:
         batch's logits_indices rows), as ModelRunner.forward returns them."""
         if batch is not self._last_batch or input_ids is not self._last_ids:
             # A plain decode step of the builder's steady state is the last step's ForwardBatch
-            # object again, its tensors (and their dynamic marks) the same: prepared once.
-            self._last_batch, self._last_ids, self._last_traceable = batch, input_ids, _traceable(batch)
-            _mark_dynamic(input_ids, self._last_traceable)
+            # object again, its tensors (and their dynamic marks) the same: prepared once. A
+            # step packed afresh into the same views of the builder's buffers (a verify step
+            # after a verify step of the same requests and table width) is new objects over
+            # the same memory: the last step's objects serve it, so that its graph call is
+            # replayed too (graph_replay.py), without dynamo's guards and prologue.
+            if not (self._last_batch is not None and same_views(input_ids, self._last_ids)
+                    and same_views(batch, self._last_batch)):
+                self._last_traceable = _traceable(batch)
+                self._last_ids = input_ids
+                _mark_dynamic(input_ids, self._last_traceable)
+            self._last_batch = batch
+            input_ids = self._last_ids
         return self._decode_replay.call(self._decode, input_ids, self._last_traceable, caches)
 
     def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
                 tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
         """A step's MTP drafting, the catch-up pass over segments of one length and the k-1
         draft passes after it (spec_decode/draft_passes.py), as one graph -> the drafts [D, k]."""
-        batch = _traceable(batch)
-        _mark_dynamic(tokens, batch)
-        torch._dynamo.maybe_mark_dynamic(hidden, 0)
-        for t in (tables, rows, seqs):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(tables, 1)
-        return self._mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
+        stage = self._mtp_staging.stage
+        inputs = (stage("tokens", tokens), stage("hidden", hidden), batch, tables, stage("rows", rows),
+                  stage("seqs", seqs))
+        seen = next((i for i, (earlier, _) in enumerate(self._last_mtp) if same_views(inputs, earlier)), None)
+        if seen is not None:
+            traced = self._last_mtp.pop(seen)[1]
+        else:
+            tokens, hidden, batch, tables, rows, seqs = traced = (*inputs[:2], _traceable(batch), *inputs[3:])
+            _mark_dynamic(tokens, batch)
+            torch._dynamo.maybe_mark_dynamic(hidden, 0)
+            for t in (tables, rows, seqs):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(tables, 1)
+        self._last_mtp = [(inputs, traced), *self._last_mtp][:MTP_REPLAYS]
+        tokens, hidden, batch, tables, rows, seqs = traced
+        (drafts,) = self._mtp_replay.call(self._mtp, tokens, hidden, batch, caches, tables, rows, seqs, passes)
+        return drafts
 
     def run_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                          kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
@@ -129,8 +160,9 @@ class CompiledSteps:
 
     def _mtp_drafting(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
                       tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses
-                      ) -> torch.Tensor:
-        return passes(self.model, tokens, hidden, batch, caches, tables, rows, seqs)
+                      ) -> tuple[torch.Tensor]:
+        # A tuple of the graph's outputs: what GraphReplay replays (graph_replay.py)
+        return (passes(self.model, tokens, hidden, batch, caches, tables, rows, seqs),)
 
     def _mtp_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                           kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
@@ -178,6 +210,45 @@ def _inductor(freeze: bool):
         with inductor_config.patch(freezing=freeze, cpp_wrapper=True), compiler_config.patch(cache_key_tag=tag):
             return compile_fx(graph, example_inputs)
     return backend
+
+
+class _Staging:
+    """Persistent buffers that a compiled call's inputs are copied into, so that the same inputs
+    at the next call are views of the same memory (`same_views`). A buffer grows (and moves)
+    only for an input larger than any before it."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if (buf is None or buf.shape[0] < t.shape[0] or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype
+                or buf.device != t.device):
+            buf = self._buffers[name] = t.new_empty((max(t.shape[0], 16), *t.shape[1:]))
+        return buf[:t.shape[0]].copy_(t)
+
+
+def same_views(a, b) -> bool:
+    """Whether `a` and `b` are the same step inputs over the same memory: tensors of one dtype,
+    shape and strides at one address, and equal host values, field by field through dataclasses
+    and tuples; other objects must be the same object. The decode rows' slot ids are left out:
+    traced steps never read them (_traceable)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+                and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device)
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (int, float, str)):
+        return a == b
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(same_views, a, b))
+    if isinstance(a, DecodeRows):
+        return a.without_ids() == b.without_ids()
+    if dataclasses.is_dataclass(a):
+        return all(same_views(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return False
 
 
 def _traceable(batch: ForwardBatch) -> ForwardBatch:

@@ -37,16 +37,18 @@ import torch
 
 class GraphReplay:
     """`backend(b)` wraps a torch.compile backend so that every graph it compiles records its
-    calls here; `call(compiled_fn, *args)` runs compiled_fn(*args), or replays its last graph
+    calls here; `call(compiled_fn, *args)` runs compiled_fn(*args), or replays a recorded graph
     call when args are that call's argument objects. One GraphReplay per compiled function
-    whose calls it replays (its last call is the one replayed)."""
+    whose calls it replays (its last `keep` replayable calls are the ones replayed)."""
 
-    def __init__(self, ints_as_tensors: bool = False):
+    def __init__(self, ints_as_tensors: bool = False, keep: int = 1):
         self._ints_as_tensors = ints_as_tensors
         self._calls: list[tuple[Callable, tuple, Any]] | None = None   # graph calls of the current call
-        self._args: tuple | None = None       # the last call's arguments, when it is replayable
-        self._graph: Callable | None = None   # its graph, and the graph's recorded inputs
-        self._inputs: tuple = ()
+        # Replayable calls, the latest first, at most `keep`: (arguments, graph, the graph's
+        # recorded inputs). More than one where a caller alternates between a few argument sets
+        # (the MTP drafting after verifies that accepted different numbers of drafts).
+        self._keep = keep
+        self._records: list[tuple[tuple, Callable, tuple]] = []
         self.replays = 0                      # calls replayed (tests and benchmarks read it)
 
     def backend(self, backend: Callable) -> Callable:
@@ -63,22 +65,20 @@ class GraphReplay:
         return recording_backend
 
     def call(self, compiled_fn: Callable, *args):
-        last = self._args
-        if last is not None and len(last) == len(args) and all(map(operator.is_, args, last)):
-            self.replays += 1
-            return tuple(self._graph(*self._inputs))
-        self._args = self._graph = None
-        self._inputs = ()
+        for i, (recorded_args, graph, inputs) in enumerate(self._records):
+            if len(recorded_args) == len(args) and all(map(operator.is_, args, recorded_args)):
+                if i:
+                    self._records.insert(0, self._records.pop(i))
+                self.replays += 1
+                return tuple(graph(*inputs))
         self._calls = calls = []
         try:
             result = compiled_fn(*args)
         finally:
             self._calls = None
         if len(calls) == 1 and calls[0][0] is not None and _is_graph_output(result, calls[0][2]):
-            self._args = args
-            self._graph, self._inputs = calls[0][0], calls[0][1]
-            if self._ints_as_tensors:
-                self._inputs = _ints_as_tensors(self._inputs)
+            inputs = _ints_as_tensors(calls[0][1]) if self._ints_as_tensors else calls[0][1]
+            self._records = [(args, calls[0][0], inputs), *self._records][:self._keep]
         return result
 
 

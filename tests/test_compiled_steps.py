@@ -146,3 +146,36 @@ def test_graph_cache_is_keyed_by_the_native_ops(monkeypatch):
                         lambda graph, inputs: seen.append(torch.compiler.config.cache_key_tag) or graph)
     compiled_steps._inductor(False)(torch.fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)])
     assert seen == [tag] and torch.compiler.config.cache_key_tag == ""
+
+
+def test_verify_steps_and_their_drafting_replay(ckpt):
+    """A verify step packed afresh into the same views of the builder's buffers as the last one
+    (same request, same table width), and the drafting after it, replay their graphs
+    (compiled_steps.same_views); the tokens are the eager engine's and plain greedy decode's."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    engine = _engine(ckpt, 2, True)
+    got = run_staggered(engine, [prompt], params, [0])[0]
+    want = run_staggered(_engine(ckpt, 2, False), [prompt], params, [0])[0]
+    plain = run_staggered(_engine(ckpt, 0, False), [prompt], params, [0])[0]
+    assert got.token_ids == want.token_ids == plain.token_ids
+    compiled = engine.runner.compiled
+    assert compiled._decode_replay.replays > 0 and compiled._mtp_replay.replays > 0
+
+
+def test_same_views_compares_memory_and_host_values():
+    from dataclasses import replace
+
+    from hybrid_engine.compiled_steps import same_views
+    from hybrid_engine.kernels.slot_pool import DecodeRows
+    buf = torch.zeros(8, 4)
+    assert same_views(buf[:3], buf[:3]) and same_views((buf[:2], 5), (buf[:2], 5))
+    assert not same_views(buf[:3], buf[:2])                  # another shape
+    assert not same_views(buf[1:3], buf[:2])                 # another address
+    assert not same_views(buf[:2], buf.t()[:2])              # other strides
+    assert not same_views(buf[:2], buf[:2].clone())          # other memory
+    assert not same_views((buf[:2], 5), (buf[:2], 6))        # another host int
+    rows = DecodeRows(True, True, True, read_ids=(1, 2))
+    assert same_views(rows, replace(rows, read_ids=(3, 4)))  # slot ids: traced steps never read them
+    assert not same_views(rows, replace(rows, in_place=False))
+    assert not same_views(object(), object())                # other objects: only the same one

@@ -80,6 +80,27 @@ def test_other_objects_go_through_dynamo():
     assert torch.equal(out[0], torch.full((6,), 7.0)) and backend.compiled == 3 and backend.calls == 4
 
 
+def test_keep_replays_each_of_the_latest_argument_sets():
+    """keep=2: two argument sets that alternate (the MTP drafting after verifies of two lengths)
+    both replay, each on its own recorded inputs; a third set pushes out the older one."""
+    replay, backend = GraphReplay(keep=2), _Counting()
+    f = _compiled(_scaled, replay, backend)
+    x = torch.arange(4.0)
+    a, b, c = _Step(torch.tensor(2.0), 1), _Step(torch.tensor(3.0), 2), _Step(torch.tensor(4.0), 3)
+    replay.call(f, x, a)
+    replay.call(f, x, b)
+    for _ in range(2):
+        for step, scale, offset in ((a, 2, 1), (b, 3, 2)):
+            x.add_(1)
+            out = replay.call(f, x, step)
+            assert torch.equal(out[0], x * scale + offset)
+    assert replay.replays == 4
+    replay.call(f, x, c)                 # through dynamo: now c and b are kept, a is not
+    replay.call(f, x, b)
+    replay.call(f, x, a)
+    assert replay.replays == 5
+
+
 def _with_graph_break(x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
     y = x * step.scale
     torch._dynamo.graph_break()
@@ -105,7 +126,7 @@ def test_frames_that_do_more_than_one_graph_are_not_replayed():
             want = fn(x, step)
             got = replay.call(f, x, step)
             assert all(torch.equal(g, w) for g, w in zip(got, want))
-        assert replay._graph is None, fn.__name__
+        assert replay.replays == 0 and not replay._records, fn.__name__
 
 
 def test_python_side_effects_are_not_replayed():
@@ -135,7 +156,7 @@ def test_int_inputs_replay_through_the_cpp_wrapper(ints_as_tensors):
     replay.call(f, x, _Step(torch.tensor(2.0), 5))
     step = _Step(torch.tensor(2.0), 4)
     assert torch.equal(replay.call(f, x, step)[0], _rows_scaled(x, step)[0])
-    ints = [v for v in replay._inputs if type(v) is int or (isinstance(v, torch.Tensor) and v.dtype == torch.int64)]
+    ints = [v for v in replay._records[0][2] if type(v) is int or (isinstance(v, torch.Tensor) and v.dtype == torch.int64)]
     assert [int(v) for v in ints] == [4] and isinstance(ints[0], torch.Tensor) == ints_as_tensors
     x.mul_(-3)
     step.scale.fill_(0.5)
