@@ -11,6 +11,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <vector>
+
 #include "simd.h"
 
 namespace delta_rule {
@@ -44,6 +46,26 @@ inline void token(const float* k, const float* q, float a, float beta, const flo
     for (int j = 0; j < dv; j += simd::W)
       simd::store(out + j, simd::fmadd(ki, simd::load(u + j), simd::mul(av, simd::load(row + j))));
   }
+}
+
+// The slots of B rows of T tokens: 0 when every read slot is in [0, R) and every write slot below
+// S (a negative write slot is a skipped write), 2 otherwise (the kernels' "slot outside its pool").
+inline int check_slots(const int64_t* read_slots, int64_t R, const int64_t* write_slots, int64_t S, int B, int T) {
+  for (int b = 0; b < B; b++) {
+    if (read_slots[b] < 0 || read_slots[b] >= R) return 2;
+    for (int t = 0; t < T; t++)
+      if (write_slots[(int64_t)b * T + t] >= S) return 2;
+  }
+  return 0;
+}
+
+// Where a token's state goes: head h of its write slot in pool [S, H, dk, dv], or for a skipped
+// write (slot < 0, a padding row) a scratch state of the work item's own (allocated on first use;
+// the token's src may be that scratch too: the step runs in place).
+inline float* state_to_write(float* pool, int64_t slot, int H, int h, int64_t head_stride, std::vector<float>& scratch) {
+  if (slot >= 0) return pool + (slot * H + h) * head_stride;
+  if (scratch.empty()) scratch.resize(head_stride);
+  return scratch.data();
 }
 
 }  // namespace delta_rule

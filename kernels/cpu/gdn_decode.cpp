@@ -66,11 +66,7 @@ int gdn_decode(const T* u, const T* b_in, const T* a_in, int64_t sb0, int64_t sb
                int64_t S, const int64_t* read_slots, const int64_t* write_slots, T* o, int B, int Tn, int Hk, int H,
                int dk, int dv, float scale, int threads) {
   if (dv % 16 || dv > delta_rule::MAX_DV || dk > MAX_DK || Hk <= 0 || H % Hk) return 1;
-  for (int b = 0; b < B; b++) {
-    if (read_slots[b] < 0 || read_slots[b] >= R) return 2;
-    for (int t = 0; t < Tn; t++)
-      if (write_slots[(int64_t)b * Tn + t] >= S) return 2;
-  }
+  if (delta_rule::check_slots(read_slots, R, write_slots, S, B, Tn)) return 2;
   const int groups = H / Hk;
   const int64_t D = 2 * (int64_t)Hk * dk + (int64_t)H * dv, head_stride = (int64_t)dk * dv;
   const int64_t work = (int64_t)B * H * Tn * head_stride;
@@ -91,14 +87,7 @@ int gdn_decode(const T* u, const T* b_in, const T* a_in, int64_t sb0, int64_t sb
       const float softplus = x > SOFTPLUS_THRESHOLD ? x : log1pf(expf(x));
       const float decay = expf(neg_decay[h] * softplus);
       const float beta = rounded(1.f / (1.f + expf(-to_float(b_in[b * sb0 + t * sb1 + h]))), o);
-      const int64_t slot = write_slots[(int64_t)b * Tn + t];
-      float* dst;
-      if (slot >= 0) {
-        dst = pool + (slot * H + h) * head_stride;
-      } else {
-        if (scratch.empty()) scratch.resize(head_stride);
-        dst = scratch.data();                // src may be the scratch too: in place
-      }
+      float* dst = delta_rule::state_to_write(pool, write_slots[(int64_t)b * Tn + t], H, h, head_stride, scratch);
       delta_rule::token(k, q, decay, beta, v, src, dst, ot, dk, dv);
       T* out = o + (((int64_t)b * Tn + t) * H + h) * dv;
       for (int j = 0; j < dv; j += simd::W) simd::store_n(out + j, simd::load(ot + j), simd::W);

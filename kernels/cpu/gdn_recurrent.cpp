@@ -32,11 +32,7 @@ int gdn_recurrent(const float* kq, const float* decay, const float* beta, const 
                   const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,
                   const int64_t* write_slots, float* o, int B, int T, int H, int dk, int dv, int threads) {
   if (dv % 16 || dv > delta_rule::MAX_DV) return 1;
-  for (int b = 0; b < B; b++) {
-    if (read_slots[b] < 0 || read_slots[b] >= R) return 2;
-    for (int t = 0; t < T; t++)
-      if (write_slots[(int64_t)b * T + t] >= S) return 2;
-  }
+  if (delta_rule::check_slots(read_slots, R, write_slots, S, B, T)) return 2;
   const int64_t head_stride = (int64_t)dk * dv;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int bh = 0; bh < B * H; bh++) {
@@ -45,14 +41,7 @@ int gdn_recurrent(const float* kq, const float* decay, const float* beta, const 
     std::vector<float> scratch;              // only for skipped writes (padding)
     for (int t = 0; t < T; t++) {
       const int64_t bth = ((int64_t)b * T + t) * H + h;   // the index of (b, t, h)
-      const int64_t slot = write_slots[(int64_t)b * T + t];
-      float* dst;
-      if (slot >= 0) {
-        dst = pool + (slot * H + h) * head_stride;
-      } else {
-        if (scratch.empty()) scratch.resize(head_stride);
-        dst = scratch.data();                // src may be the scratch too: in place
-      }
+      float* dst = delta_rule::state_to_write(pool, write_slots[(int64_t)b * T + t], H, h, head_stride, scratch);
       const float* k = kq + bth * 2 * dk;
       delta_rule::token(k, k + dk, decay[bth], beta[bth], v + bth * dv, src, dst, o + bth * dv, dk, dv);
       src = dst;
