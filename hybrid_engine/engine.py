@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from hybrid_engine.kernels import decode_kernel_serves_prefill
 from hybrid_engine.kernels.attention import needs_paged_keys
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
@@ -124,7 +125,7 @@ class LLMEngine:
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device,
-                                        self._keyless_query_lens())
+                                        self._keyless_query_lens(), self._recurrent_prefill())
         graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
         self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
@@ -153,6 +154,15 @@ class LLMEngine:
         heads = self.model_config.num_attention_heads
         return frozenset(q for q in range(1, self.num_speculative_tokens + 2)
                          if not any(needs_paged_keys(kv, heads, q) for kv in self.cache.kv_caches))
+
+    def _recurrent_prefill(self) -> bool:
+        """Whether prefill segments' GDN layers run by the decode kernel (kernels/fused.py
+        decode_kernel_serves_prefill: where its native CPU kernel serves every GDN layer, whose
+        activations are in the conv pools' dtype)."""
+        cache = self.cache
+        return bool(cache.conv_states) and all(
+            decode_kernel_serves_prefill(conv, state, conv.dtype, self.model_config.linear_conv_kernel_dim)
+            for conv, state in zip(cache.conv_states, cache.recurrent_states))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:

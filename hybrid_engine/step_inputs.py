@@ -37,7 +37,7 @@ from hybrid_engine.kernels.attention import PagedKeys, attention_layout
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
-from hybrid_engine.models.batch import GdnCaptures
+from hybrid_engine.models.batch import GdnCaptures, PrefillPiece, RecurrentPrefill
 from hybrid_engine.state_cache import HybridCacheManager, kv_slots
 
 from .request import Request
@@ -68,8 +68,12 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu",
-                 keyless_query_lens: frozenset[int] = frozenset()):
+                 keyless_query_lens: frozenset[int] = frozenset(), recurrent_prefill: bool = False):
         self.block_size = block_size
+        # Prefill segments' GDN layers run by the decode kernel, in pieces between their
+        # checkpoint captures (models/batch.py RecurrentPrefill), where it serves them
+        # (kernels.decode_kernel_serves_prefill); otherwise chunked. Fixed for the engine's life.
+        self.recurrent_prefill = recurrent_prefill
         self.k = num_speculative_tokens
         # Steps and MTP passes whose sequences all have one of these numbers of new tokens get no
         # attention keys (kernels/attention.py `needs_paged_keys`: the native CPU kernel serves
@@ -265,10 +269,35 @@ class StepInputBuilder:
             if n_dec else None,
             chunks=ChunkLayout(query_lens[:num_prefills], device=self.positions.device,
                                cuts=[[p - seg.start for p, _ in seg.captures] for seg in segments[:num_prefills]])
-            if num_prefills else None,
+            if num_prefills and not self.recurrent_prefill else None,
             gdn_captures=self._gdn_captures(segments[:num_prefills]),
+            recurrent_prefill=self._recurrent_prefill(segments[:num_prefills], cache)
+            if num_prefills and self.recurrent_prefill else None,
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
+
+    def _recurrent_prefill(self, prefills: list[Segment], cache: HybridCacheManager) -> RecurrentPrefill:
+        """The prefill segments cut into pieces at their captures (in the order of _gdn_captures),
+        with all of their slots in one tensor."""
+        bounds, slots, fresh, capture = [], [], [], 0
+        for seg in prefills:
+            slot = cache.get(seg.request.request_id).slot
+            if seg.start == 0:
+                fresh.append(slot)
+            start = 0
+            for p, _ in seg.captures:
+                bounds.append((seg.first_row + start, p - seg.start - start, capture))
+                slots.extend([slot] + [-1] * (p - seg.start - start - 1) + [slot])
+                start, capture = p - seg.start, capture + 1
+            if start < seg.num_tokens:
+                bounds.append((seg.first_row + start, seg.num_tokens - start, None))
+                slots.extend([slot] + [-1] * (seg.num_tokens - start - 1) + [slot])
+        values = torch.tensor(slots + fresh, dtype=torch.int64, device=self.positions.device)
+        pieces, at = [], 0
+        for first, n, cap in bounds:
+            pieces.append(PrefillPiece(first, n, values[at:at + 1], values[at + 1:at + 1 + n].view(1, n), cap))
+            at += 1 + n
+        return RecurrentPrefill(tuple(pieces), values[at:] if fresh else None)
 
     def _gdn_captures(self, prefills: list[Segment]) -> GdnCaptures | None:
         """The prefill segments' checkpoint captures, in the order of the chunk layout's cuts."""

@@ -14,6 +14,7 @@ from . import norm as _norm
 from . import rope as _rope
 from .dispatch import KernelBackend, dispatched, get_backend, set_backend, using_backend
 from .gdn import naive_gated_delta_rule
+from .fused import decode_kernel_serves_prefill
 from .rope import rope_cos_sin
 
 add_rms_norm = dispatched(_norm.add_rms_norm)
@@ -48,6 +49,7 @@ __all__ = [
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule",
     "conv_windows_at",
+    "decode_kernel_serves_prefill",
     "gated_rms_norm",
     "gdn_decode",
     "get_backend",

@@ -45,6 +45,9 @@ class ForwardBatch:
     decode_rows: DecodeRows | None   # the decode segments' GDN slot facts (None: no decodes)
     chunks: ChunkLayout | None       # the prefill segments' GDN chunk layout (None: no prefills)
     gdn_captures: GdnCaptures | None = None   # GDN states to checkpoint inside prefill segments
+    # The prefill segments' GDN layers run by the decode kernel instead of the chunked form
+    # (None: chunked, `chunks` then holds their layout).
+    recurrent_prefill: RecurrentPrefill | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -62,6 +65,28 @@ class GdnCaptures:
     seqs: torch.Tensor               # [C] int64, prefill segment of each capture
     ends: torch.Tensor               # [C] int64, packed row just past the captured position
     entries: torch.Tensor            # [C] int64, checkpoint entry written
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """A run of one prefill segment's tokens between its checkpoint captures, for the decode
+    kernel (kernels.gdn_decode) as one row of num_tokens tokens: it reads the segment's state
+    slot and writes it back after the last token only (write slot -1, skipped, before that)."""
+
+    first_row: int                   # packed row of the piece's first token
+    num_tokens: int
+    read_slots: torch.Tensor         # [1] int64: the segment's state slot
+    write_slots: torch.Tensor        # [1, num_tokens] int64: -1 ..., then the slot
+    capture: int | None              # index of the GdnCaptures capture taken after the piece
+
+
+@dataclass(frozen=True)
+class RecurrentPrefill:
+    """Prefill segments run token by token by the decode kernel (kernels.decode_kernel_serves_prefill
+    says where), as pieces in packing order; segments with no initial state start from zeros."""
+
+    pieces: tuple[PrefillPiece, ...]
+    fresh_slots: torch.Tensor | None     # [F] int64: state slots of the segments zeroed first
 
 
 class LayerCaches(Protocol):

@@ -67,6 +67,8 @@ class GatedDeltaNet(nn.Module):
         """The prefill segments (chunked varlen kernels) -> o [tokens, Hv, dv]. Captures: the
         conv window at each (the K-1 inputs before it) gathered here, the recurrent state
         written by the chunk kernel at the chunk boundary the layout puts there."""
+        if batch.recurrent_prefill is not None:
+            return self._prefill_by_decode_kernel(mixed, b, a, conv_w, batch, conv_pool, state_pool, checkpoints)
         beta = torch.sigmoid(b)                                       # activation dtype, as HF
         # Log-space decay in fp32: A_log spans log(0.01..16), fp16 would overflow exp.
         g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias.float())
@@ -95,6 +97,29 @@ class GatedDeltaNet(nn.Module):
                                                 capture_slots=capture_slots)
         state_pool[slots] = final_state
         return o
+
+    def _prefill_by_decode_kernel(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool,
+                                  checkpoints) -> torch.Tensor:
+        """The prefill segments through the decode kernel, piece by piece (ForwardBatch.recurrent_prefill)
+        -> o [tokens, Hv, dv]. After a piece that ends at a capture, the slot's conv window (the
+        K-1 inputs before that position) and state are the checkpoint's."""
+        rp = batch.recurrent_prefill
+        if rp.fresh_slots is not None:
+            conv_pool.index_fill_(0, rp.fresh_slots, 0)
+            state_pool.index_fill_(0, rp.fresh_slots, 0)
+        outs = []
+        for piece in rp.pieces:
+            rows = slice(piece.first_row, piece.first_row + piece.num_tokens)
+            o = batch.kernels.gdn_decode(mixed[rows].unsqueeze(0), b[rows].unsqueeze(0), a[rows].unsqueeze(0),
+                                         conv_w, self.dt_bias, self.neg_decay_rate, conv_pool, state_pool,
+                                         piece.read_slots, piece.write_slots)
+            outs.append(o.view(piece.num_tokens, self.hv, self.dv))
+            if piece.capture is not None:
+                ck_conv, ck_state = checkpoints
+                entry = batch.gdn_captures.entries[piece.capture:piece.capture + 1]
+                ck_conv.index_copy_(0, entry, conv_pool.index_select(0, piece.read_slots).to(ck_conv.dtype))
+                ck_state.index_copy_(0, entry, state_pool.index_select(0, piece.read_slots).to(ck_state.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
         """The decode segments, decode_len tokens each, from the projections: the gates, the
