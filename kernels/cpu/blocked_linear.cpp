@@ -28,6 +28,8 @@
 // at most ~1 MB: it stays in L2 across all panels of x) and runs the float32 tiles on it, x
 // widened once into float32 panels. The same float32 FMAs in the same k order as the register
 // form: identical results, at about float32's speed (the widening is O(N K), the product O(M N K)).
+// On AVX2 from MANY_ROWS rows it takes the float32 many-rows form below on widened runs of
+// blocks instead (as float32 does there: 1.45-1.7x the group form at 512 rows of 0.8B shapes).
 // N is a multiple of 16 (the caller blocks whole columns only).
 #include <stdint.h>
 #include <stdlib.h>
@@ -238,7 +240,8 @@ static inline void slice_tile(const float* xs, const float* w, int kc, float* y,
 }
 
 // Rows [0, M) of x against W's blocks [b_begin, b_end), slice by slice; xp: these rows packed
-// [slices][panels][kc][MANY_MR] (the last slice's kc = K - its start).
+// [slices][panels][kc][MANY_MR] (the last slice's kc = K - its start); w: block b_begin's first
+// float, the run's blocks after it ([b_end - b_begin][K][16]).
 static void row_block_product(const float* xp, const float* w, float* y, int M, int N, int K,
                               int b_begin, int b_end) {
   constexpr int MR = MANY_MR;
@@ -247,7 +250,7 @@ static void row_block_product(const float* xp, const float* w, float* y, int M, 
     const int kc = K - k0 < KC ? K - k0 : KC;
     const float* xs = xp + (size_t)k0 * panels * MR;
     for (int b = b_begin; b < b_end; b++) {
-      const float* wb = w + ((size_t)b * K + k0) * 16;
+      const float* wb = w + ((size_t)(b - b_begin) * K + k0) * 16;
       for (int p = 0; p < panels; p++) {
         const int rows = M - p * MR < MR ? M - p * MR : MR;
         if (k0 > 0)
@@ -259,7 +262,36 @@ static void row_block_product(const float* xp, const float* w, float* y, int M, 
   }
 }
 
-static void blocked_linear_many_rows(const float* x, const float* w, float* y, int M, int N, int K,
+static inline float as_float(float v) { return v; }
+static inline float as_float(uint16_t v) { return simd::bits_to_float((uint32_t)v << 16); }
+static void widen_blocks(const uint16_t* w, float* out, int nb, int K);
+
+// float32 W: each thread's run of blocks is read where it lies. bf16 W (pairs of k, as
+// blocked_linear_bf16 takes them): each thread widens its run once per call into a float32
+// buffer of its own; at the many rows this form takes, the O(N K) widening is a few percent of
+// the O(M N K) product. The columns go in chunks whose widened runs stay under WIDENED_BYTES
+// per thread, where they stay in cache until the tiles read them (AVX2, 0.8B shapes, 64-512
+// rows: 0.90-1.04x the float32 form's time, against 0.75-0.94x with 4 MB and 0.46-0.97x with
+// the whole run at once; a 248320-row lm_head's whole run would be 0.5 GB a thread).
+constexpr size_t WIDENED_BYTES = 2 << 20;
+static int chunk_blocks(const float*, int blocks, int, int) { return blocks; }
+static int chunk_blocks(const uint16_t*, int blocks, int K, int threads) {
+  const int per_thread = (int)(WIDENED_BYTES / ((size_t)K * 16 * sizeof(float)));
+  return per_thread < 1 ? threads : per_thread * threads;
+}
+static const float* thread_blocks(const float* w, int K, int b_begin, int, float*) {
+  return w + (size_t)b_begin * K * 16;
+}
+static const float* thread_blocks(const uint16_t* w, int K, int b_begin, int b_end, float* buffer) {
+  widen_blocks(w + (size_t)b_begin * ((K + 1) / 2) * 32, buffer, b_end - b_begin, K);
+  return buffer;
+}
+
+// x [M][K] float32 or bf16, W float32 blocked or bf16 pairs, y [M][N] float32 or bf16 (y_acc: a
+// float32 [M][N] buffer the tiles accumulate in where y is bf16, each thread rounding its own
+// columns into y at the end: the same float32 sums as the float32 form, rounded once).
+template <typename XIn, typename WIn, typename YOut>
+static void blocked_linear_many_rows(const XIn* x, const WIn* w, YOut* y, float* y_acc, int M, int N, int K,
                                      int num_threads) {
   constexpr int MR = MANY_MR;
   // rows in equal blocks of whole panels, each at most about MAX_BLOCK_ROWS
@@ -267,29 +299,41 @@ static void blocked_linear_many_rows(const float* x, const float* w, float* y, i
   const int block_rows = ((M + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;
   float* xp = (float*)aligned_alloc(64, ((size_t)block_rows * K * sizeof(float) + 63) / 64 * 64);
   const int blocks = N / 16;
+  const int chunk = chunk_blocks(w, blocks, K, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
-    // each thread its own contiguous run of blocks: its share of W streams once per row block
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int b_begin = (int)((long)blocks * t / nt), b_end = (int)((long)blocks * (t + 1) / nt);
-    for (int m0 = 0; m0 < M; m0 += block_rows) {
-      const int rows = M - m0 < block_rows ? M - m0 : block_rows;
-      const int panels = (rows + MR - 1) / MR;
+    float* widened = sizeof(WIn) == 2 ? (float*)aligned_alloc(
+        64, ((size_t)((chunk + nt - 1) / nt) * K * 16 * sizeof(float) + 63) / 64 * 64) : nullptr;
+    for (int c0 = 0; c0 < blocks; c0 += chunk) {
+      const int c1 = blocks - c0 < chunk ? blocks : c0 + chunk;
+      // each thread its own contiguous run of blocks: its share of W streams once per row block
+      const int b_begin = c0 + (int)((long)(c1 - c0) * t / nt), b_end = c0 + (int)((long)(c1 - c0) * (t + 1) / nt);
+      const float* wt = thread_blocks(w, K, b_begin, b_end, widened);
+      for (int m0 = 0; m0 < M; m0 += block_rows) {
+        const int rows = M - m0 < block_rows ? M - m0 : block_rows;
+        const int panels = (rows + MR - 1) / MR;
 #pragma omp for schedule(static)
-      for (int p = 0; p < panels; p++)
-        for (int k0 = 0; k0 < K; k0 += KC) {
-          const int kc = K - k0 < KC ? K - k0 : KC;
-          float* dst = xp + (size_t)k0 * panels * MR + (size_t)p * kc * MR;
-          for (int k = 0; k < kc; k++)
-            for (int r = 0; r < MR; r++) {
-              const int m = p * MR + r;
-              dst[(size_t)k * MR + r] = m < rows ? x[(size_t)(m0 + m) * K + k0 + k] : 0.0f;
-            }
-        }
-      // (the loop's implicit barrier: every panel is packed before any thread reads them)
-      row_block_product(xp, w, y + (size_t)m0 * N, rows, N, K, b_begin, b_end);
+        for (int p = 0; p < panels; p++)
+          for (int k0 = 0; k0 < K; k0 += KC) {
+            const int kc = K - k0 < KC ? K - k0 : KC;
+            float* dst = xp + (size_t)k0 * panels * MR + (size_t)p * kc * MR;
+            for (int k = 0; k < kc; k++)
+              for (int r = 0; r < MR; r++) {
+                const int m = p * MR + r;
+                dst[(size_t)k * MR + r] = m < rows ? as_float(x[(size_t)(m0 + m) * K + k0 + k]) : 0.0f;
+              }
+          }
+        // (the loop's implicit barrier: every panel is packed before any thread reads them)
+        row_block_product(xp, wt, y_acc + (size_t)m0 * N, rows, N, K, b_begin, b_end);
 #pragma omp barrier
+      }
+      if constexpr (sizeof(YOut) == 2)
+        for (int m = 0; m < M; m++)
+          for (int n = b_begin * 16; n < b_end * 16; n += simd::W)
+            simd::store_bf16((uint16_t*)y + (size_t)m * N + n, simd::load(y_acc + (size_t)m * N + n));
     }
+    free(widened);
   }
   free(xp);
 }
@@ -329,6 +373,12 @@ static void widen_blocks(const uint16_t* w, float* out, int nb, int K) {
 
 static void blocked_linear_widened(const uint16_t* x, const uint16_t* w, uint16_t* y,
                                    int M, int N, int K, int num_threads) {
+  if (simd::W == 8 && M >= MANY_ROWS) {
+    float* acc = (float*)aligned_alloc(64, ((size_t)M * N * sizeof(float) + 63) / 64 * 64);
+    blocked_linear_many_rows(x, w, y, acc, M, N, K, num_threads);
+    free(acc);
+    return;
+  }
   float* xp = pack_panels<WidenedBF16>(x, M, K, K);
   const int blocks = N / 16;
   const int NR = blocks_per_tile<WidenedBF16>(M);
@@ -351,7 +401,7 @@ static void blocked_linear_widened(const uint16_t* x, const uint16_t* w, uint16_
 
 extern "C" {
 int blocked_linear_f32(const float* x, const float* w, float* y, int M, int N, int K, int threads) {
-  if (simd::W == 8 && M >= MANY_ROWS) blocked_linear_many_rows(x, w, y, M, N, K, threads);
+  if (simd::W == 8 && M >= MANY_ROWS) blocked_linear_many_rows(x, w, y, y, M, N, K, threads);
   else blocked_linear<F32>(x, w, y, M, N, K, threads);
   return 0;
 }
