@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hybrid_engine.kernels import decode_kernel_serves_prefill
+from hybrid_engine.kernels import backend_for, decode_kernel_serves_prefill
 from hybrid_engine.kernels.attention import needs_paged_keys
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
@@ -160,6 +160,8 @@ class LLMEngine:
         decode_kernel_serves_prefill: where its native CPU kernel serves every GDN layer, whose
         activations are in the conv pools' dtype)."""
         cache = self.cache
+        if backend_for(self.config.device).name != "torch":      # triton: its own chunked kernels
+            return False
         return bool(cache.conv_states) and all(
             decode_kernel_serves_prefill(conv, state, conv.dtype, self.model_config.linear_conv_kernel_dim)
             for conv, state in zip(cache.conv_states, cache.recurrent_states))
