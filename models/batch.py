@@ -4,7 +4,8 @@ A step packs the tokens of N sequences into one `[T]` stream. The first `num_pre
 sequences are prefill segments of any length (a whole prompt or one chunk of it); the
 remaining ones are decode segments of exactly `decode_len` tokens each (1 for plain decode,
 k+1 when verifying k drafts). GDN layers send the two groups to different kernels: chunked
-varlen for prefill, the recurrent pool kernel for decode (never padded into chunks).
+varlen for prefill (or, with `recurrent_prefill`, the decode kernel in pieces), the recurrent
+pool kernel for decode (never padded into chunks).
 
 `kernels` is the engine's kernel backend, chosen once at its construction. The last three
 fields are the step's facts that every layer of one kind would otherwise derive

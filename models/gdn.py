@@ -1,9 +1,11 @@
 """Gated DeltaNet linear attention (`linear_attn`), over the GDN state-slab pools.
 
 Prefill segments go through the chunked varlen kernels (initial state and conv window
-gathered from the pool by slot, final ones scattered back); decode segments go through
-the recurrent kernels, which read the committed slot and write the state after every
-token to the step's write slots (the committed slot itself for plain decode).
+gathered from the pool by slot, final ones scattered back), or where the step says so
+(ForwardBatch.recurrent_prefill: the native CPU kernels, faster there at every length)
+through the decode kernel token by token; decode segments go through the recurrent
+kernels, which read the committed slot and write the state after every token to the
+step's write slots (the committed slot itself for plain decode).
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool,
                  checkpoints) -> torch.Tensor:
-        """The prefill segments (chunked varlen kernels) -> o [tokens, Hv, dv]. Captures: the
-        conv window at each (the K-1 inputs before it) gathered here, the recurrent state
-        written by the chunk kernel at the chunk boundary the layout puts there."""
+        """The prefill segments (chunked varlen kernels, unless the batch has them run by the
+        decode kernel) -> o [tokens, Hv, dv]. Captures: the conv window at each (the K-1 inputs
+        before it) gathered here, the recurrent state written by the chunk kernel at the chunk
+        boundary the layout puts there."""
         if batch.recurrent_prefill is not None:
             return self._prefill_by_decode_kernel(mixed, b, a, conv_w, batch, conv_pool, state_pool, checkpoints)
         beta = torch.sigmoid(b)                                       # activation dtype, as HF
