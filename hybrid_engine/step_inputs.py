@@ -284,14 +284,14 @@ class StepInputBuilder:
             slot = cache.get(seg.request.request_id).slot
             if seg.start == 0:
                 fresh.append(slot)
+            cuts = [p - seg.start for p, _ in seg.captures]      # ascending, in (0, num_tokens]
+            ends = cuts + ([seg.num_tokens] if not cuts or cuts[-1] < seg.num_tokens else [])
             start = 0
-            for p, _ in seg.captures:
-                bounds.append((seg.first_row + start, p - seg.start - start, capture))
-                slots.extend([slot] + [-1] * (p - seg.start - start - 1) + [slot])
-                start, capture = p - seg.start, capture + 1
-            if start < seg.num_tokens:
-                bounds.append((seg.first_row + start, seg.num_tokens - start, None))
-                slots.extend([slot] + [-1] * (seg.num_tokens - start - 1) + [slot])
+            for i, end in enumerate(ends):
+                bounds.append((seg.first_row + start, end - start, capture + i if i < len(cuts) else None))
+                slots.extend([slot] + [-1] * (end - start - 1) + [slot])
+                start = end
+            capture += len(cuts)
         values = torch.tensor(slots + fresh, dtype=torch.int64, device=self.positions.device)
         pieces, at = [], 0
         for first, n, cap in bounds:

@@ -104,8 +104,7 @@ def decode_kernel_serves_prefill(conv_pool: torch.Tensor, state_pool: torch.Tens
     the chunked form's ~40 torch ops and its triangular solves cost more than the recurrence's
     two passes over each state per token. Elsewhere (torch, triton) the torch form of gdn_decode
     would loop over the tokens: prefill stays chunked."""
-    _, hv, _, dv = state_pool.shape
-    conv_dim = conv_pool.shape[1]
+    hv, conv_dim = state_pool.shape[1], conv_pool.shape[1]
     mixed = torch.empty(1, 1, conv_dim, dtype=dtype, device=conv_pool.device)
     gates = torch.empty(1, 1, hv, dtype=dtype, device=conv_pool.device)
     weight = torch.empty(conv_dim, conv_kernel_size, dtype=dtype, device=conv_pool.device)
