@@ -151,7 +151,9 @@ def test_graph_cache_is_keyed_by_the_native_ops(monkeypatch):
 def test_verify_steps_and_their_drafting_replay(ckpt):
     """A verify step packed afresh into the same views of the builder's buffers as the last one
     (same request, same table width), and the drafting after it, replay their graphs
-    (compiled_steps.same_views); the tokens are the eager engine's and plain greedy decode's."""
+    (compiled_steps.same_views); the tokens are the eager engine's and plain greedy decode's.
+    Where attention needs PagedKeys (level none: no native kernel), each step's keys are new
+    tensors, so nothing is replayed there."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     engine = _engine(ckpt, 2, True)
@@ -160,7 +162,9 @@ def test_verify_steps_and_their_drafting_replay(ckpt):
     plain = run_staggered(_engine(ckpt, 0, False), [prompt], params, [0])[0]
     assert got.token_ids == want.token_ids == plain.token_ids
     compiled = engine.runner.compiled
-    assert compiled._decode_replay.replays > 0 and compiled._mtp_replay.replays > 0
+    keyless = {1, 2, 3} <= engine.builder.keyless_query_lens     # the verify's 3 tokens, the passes' 1..3
+    assert (compiled._decode_replay.replays > 0) == keyless
+    assert (compiled._mtp_replay.replays > 0) == keyless
 
 
 def test_same_views_compares_memory_and_host_values():
