@@ -6,61 +6,24 @@ below pick their backend per call (kernels/dispatch.py: triton on CUDA tensors w
 torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
 """
 
-from . import attention as _attention
-from . import conv as _conv
-from . import fused as _fused
-from . import gdn as _gdn
-from . import norm as _norm
-from . import rope as _rope
-from .dispatch import KernelBackend, dispatched, get_backend, set_backend, using_backend
-from .gdn import naive_gated_delta_rule
-from .fused import decode_kernel_serves_prefill
-from .rope import rope_cos_sin
+if __name__ == "kernels":
+    # This folder is the package hybrid_engine.kernels. It is reached as a top-level `kernels`
+    # only when a checkout's root is on sys.path (`python -m pytest` or `python -c` run there),
+    # and then it would shadow the `kernels` distribution that transformers (>= 5.25) imports
+    # at start-up. Hand that import the distribution, or fail as if this folder weren't here.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-add_rms_norm = dispatched(_norm.add_rms_norm)
-apply_partial_rope = dispatched(_rope.apply_partial_rope)
-causal_conv1d_update = dispatched(_conv.causal_conv1d_update)
-causal_conv1d_varlen = dispatched(_conv.causal_conv1d_varlen)
-conv_windows_at = dispatched(_conv.conv_windows_at)
-chunk_gated_delta_rule = dispatched(_gdn.chunk_gated_delta_rule)
-gated_rms_norm = dispatched(_norm.gated_rms_norm)
-gdn_decode = dispatched(_fused.gdn_decode)
-paged_attention = dispatched(_attention.paged_attention)
-qk_norm_rope = dispatched(_fused.qk_norm_rope)
-recurrent_gated_delta_rule = dispatched(_gdn.recurrent_gated_delta_rule)
-recurrent_gated_delta_rule_fused_gating = dispatched(_fused.recurrent_gated_delta_rule_fused_gating)
-rms_norm = dispatched(_norm.rms_norm)
-write_kv_cache = dispatched(_attention.write_kv_cache)
-
-_DISPATCHED = {name: op.torch_op for name, op in list(globals().items()) if hasattr(op, "torch_op")}
-
-
-def backend_for(device) -> KernelBackend:
-    """The ops an engine on `device` runs, by the default mode as it stands now."""
-    return KernelBackend.for_device(device, _DISPATCHED)
-
-
-__all__ = [
-    "KernelBackend",
-    "add_rms_norm",
-    "apply_partial_rope",
-    "backend_for",
-    "causal_conv1d_update",
-    "causal_conv1d_varlen",
-    "chunk_gated_delta_rule",
-    "conv_windows_at",
-    "decode_kernel_serves_prefill",
-    "gated_rms_norm",
-    "gdn_decode",
-    "get_backend",
-    "naive_gated_delta_rule",
-    "paged_attention",
-    "qk_norm_rope",
-    "recurrent_gated_delta_rule",
-    "recurrent_gated_delta_rule_fused_gating",
-    "rms_norm",
-    "rope_cos_sin",
-    "set_backend",
-    "using_backend",
-    "write_kv_cache",
-]
+    _root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _path = [p for p in sys.path if os.path.realpath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    _distribution = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _distribution
+    _spec.loader.exec_module(_distribution)
+else:
+    from .ops import *  # noqa: F401,F403
+    from .ops import __all__  # noqa: F401
