@@ -2,8 +2,8 @@
 
 Ops take tensors and flags only; nothing here knows about models or the engine. An engine
 takes its ops from one `KernelBackend` chosen at construction (`backend_for`); the public ops
-below pick their backend per call (kernels/dispatch.py: triton on CUDA tensors when available,
-torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
+(kernels/ops.py) pick their backend per call (kernels/dispatch.py: triton on CUDA tensors when
+available, torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
 """
 
 if __name__ == "kernels":
