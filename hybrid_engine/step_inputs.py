@@ -163,7 +163,7 @@ class StepInputBuilder:
         last.moving.add_(1)                              # positions, seq_lens, slot_mapping, offsets
         if new_blocks:
             old_width = batch.block_tables.shape[1]
-            batch = self._enter_blocks(batch, new_blocks)
+            batch = self._enter_blocks(batch, new_blocks, keyless=last.key_index is None)
             if batch.block_tables.shape[1] > old_width and last.key_index is not None:
                 # Wider keys: the new columns are tails, which re-read the first key: the
                 # offset and block of column 0 (position 0 is always visible), and hidden.
@@ -181,13 +181,16 @@ class StepInputBuilder:
         last.inputs = inputs
         return inputs
 
-    def _enter_blocks(self, batch: ForwardBatch, new_blocks: list[tuple[int, int, int]]) -> ForwardBatch:
+    def _enter_blocks(self, batch: ForwardBatch, new_blocks: list[tuple[int, int, int]], keyless: bool
+                      ) -> ForwardBatch:
         """Rows that entered a new block at this step's position: its block-table entry, the
         row's last block, and its KV slot and offset (moved on by one from the last block's end)
-        at the new block's start."""
+        at the new block's start. The table's view is widened only past its last column
+        (`_table_width`): within it, the step keeps its batch object."""
         old_width = batch.block_tables.shape[1]
         width = max(col for _, col, _ in new_blocks) + 1
         if width > old_width:
+            width = self._table_width(width, keyless)
             batch = dataclasses.replace(batch, block_tables=self.block_tables[:batch.seq_lens.shape[0], :width])
             batch.block_tables[:, old_width:].zero_()   # stale columns from an earlier, wider step
         T, width = self._moving.shape[1], self.block_tables.shape[1]
@@ -234,7 +237,7 @@ class StepInputBuilder:
                 spans.append((seg, len(logits_rows), n if seg.is_decode else 1))
                 logits_rows.extend(range(first, seg.first_row + n))
         t, n_seq, n_dec = len(ids), len(segments), len(segments) - num_prefills
-        max_blocks = max(len(tb) for tb in tables)
+        max_blocks = self._table_width(max(len(tb) for tb in tables), self._keyless(query_lens))
         padded_tables = []
         for tb in tables:
             padded_tables.extend(tb)
@@ -275,6 +278,22 @@ class StepInputBuilder:
             if num_prefills and self.recurrent_prefill else None,
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
+
+    def _keyless(self, query_lens: Sequence[int]) -> bool:
+        """Whether a step (or pass) whose sequences have these new-token counts gets no attention
+        keys: one shared length, and one of `keyless_query_lens` (attention_layout's rule)."""
+        return len(set(query_lens)) <= 1 and (query_lens[0] if query_lens else 1) in self.keyless_query_lens
+
+    def _table_width(self, blocks: int, keyless: bool) -> int:
+        """The block-table columns of a step whose longest table has `blocks` blocks. Where the
+        attention reads no keys, the next power of two (at most the buffer's width): the native
+        kernel reads a sequence's own blocks only, so the padding costs nothing, and a steady
+        decode then widens its table, and so changes its batch object (a compiled step's replay
+        misses: graph_replay.py), at a handful of block boundaries instead of at every one.
+        Otherwise exactly `blocks`: paged keys are as wide as the table."""
+        if not keyless:
+            return blocks
+        return min(1 << (max(blocks, 1) - 1).bit_length(), self.block_tables.shape[1])
 
     def _recurrent_prefill(self, prefills: list[Segment], cache: HybridCacheManager) -> RecurrentPrefill:
         """The prefill segments cut into pieces at their captures (in the order of _gdn_captures),
@@ -327,8 +346,11 @@ class StepInputBuilder:
             seq_lens.append(start + n)
             tables.append(table[:(start + n + lookahead + bs - 1) // bs])
         t, n_seq = len(positions), len(segs)
-        width = max(len(tb) for tb in tables)
-        read_width = (max(seq_lens) + bs - 1) // bs          # the blocks the catch-up's attention reads
+        # The draft passes read `tables_ahead` (one query each), the catch-up `bt`: each as wide
+        # as its attention needs, or bucketed where it reads no keys (`_table_width`).
+        width = self._table_width(max(len(tb) for tb in tables), self._keyless([1]))
+        read_width = min(width, self._table_width((max(seq_lens) + bs - 1) // bs,
+                                                  self._keyless([n for _, n, _ in segs])))
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
         # One host-to-tensor conversion for all five fields (each costs more than a copy).
         fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(

@@ -115,7 +115,31 @@ def test_steady_state_widening_clears_stale_block_table_columns(ckpt, keyless):
         engine.step()
         widths.append(engine.builder._last_decode.inputs.batch.block_tables.shape[1]
                       if engine.builder._last_decode is not None else None)
-    assert widths[2:4] == [2, 3] and num_steady[0] > 0
+    # Keyless steps widen their tables to powers of two (StepInputBuilder._table_width).
+    assert widths[2:4] == ([2, 4] if keyless else [2, 3]) and num_steady[0] > 0
+
+
+@pytest.mark.parametrize("keyless", KEYLESS)
+def test_steady_decode_keeps_its_batch_across_block_boundaries_where_keyless(ckpt, keyless):
+    """One request decodes through 12 blocks of 4 tokens. Without keys, its table is as wide as
+    the next power of two of its blocks, so the steady state hands the same batch object (what a
+    compiled step replays) to every step between widths 2, 4, 8 and 16; with keys, it is exactly
+    as wide as its blocks, and a new object at each of them."""
+    engine = _engine(ckpt, keyless, enable_prefix_caching=False)
+    num_steady = _check_every_build(engine)
+    engine.add_request([5], SamplingParams(temperature=0.0, max_tokens=46, ignore_eos=True))
+    engine.step()                                                # the prompt
+    batches, widths = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        batch = engine.builder._last_decode.inputs.batch
+        if not batches or batch is not batches[-1]:
+            batches.append(batch)
+        widths.append(batch.block_tables.shape[1])
+    needed = [(2 + i + 3) // 4 for i in range(len(widths))]      # blocks of a step at position 1 + i
+    want = [1 << (b - 1).bit_length() for b in needed] if keyless else needed
+    assert widths == want and num_steady[0] == len(widths) - 1
+    assert len(batches) == len(set(want))
 
 
 def test_decode_steps_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
