@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_engine.sampler import (Sampler, SamplingRow, apply_penalties, mask_banned_tokens, position_uniform,
-                                   processed_probs)
+from hybrid_engine.sampler import (Sampler, SamplingRow, apply_penalties, greedy_tokens, mask_banned_tokens,
+                                   position_uniform, processed_probs)
 from hybrid_engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -127,6 +127,19 @@ def test_greedy_rows_take_the_argmax_in_fast_and_mixed_batches():
 
 
 # ---------------------------------------------------------------- each transform against its formula
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-1.5, 0.0, 2.0, 2.0, float("inf"), float("-inf"), float("nan")]),
+                         min_size=1, max_size=9), min_size=1, max_size=4).filter(lambda rows: len({len(r) for r in rows}) == 1),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_greedy_tokens_are_torch_argmax_with_ties_infinities_and_nans(rows, dtype, transposed):
+    """Both paths (numpy's argmax for float32 on CPU, torch's max elsewhere) give argmax's index:
+    the first maximum on ties, a NaN as the maximum, on contiguous and strided rows."""
+    logits = torch.tensor(rows, dtype=dtype)
+    if transposed:                                   # the same values in a column-major tensor
+        logits = logits.t().contiguous().t()
+    assert greedy_tokens(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
 
 
 def test_temperature_scales_logits():
