@@ -30,21 +30,43 @@ class IncrementalDetokenizer:
     `read_offset` was already emitted. Decoding the window with a few tokens of left context
     lets byte-level BPE and sentencepiece join the new tokens to the old ones as a full
     decode would (a leading space, a multi-byte character split over tokens).
+
+    Where the tokenizer's own decode is its backend's (`_backend_decode`), the window is
+    tokenizers' DecodeStream (the same algorithm, in Rust, one call per token: 1.9 against
+    9.6 us a token on the embedded tokenizer, 2026-12-03, Zen 3). `stream=False` keeps the
+    Python window everywhere (tests compare the two).
     """
 
     # Left context kept when the window starts; TGI and vLLM use 5.
     CONTEXT = 5
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream: bool = True):
         self.tokenizer = tokenizer
-        self._decode_ids = _plain_decode(tokenizer)
+        backend = _backend_decode(tokenizer)
+        self._decode_ids = backend or functools.partial(tokenizer.decode, skip_special_tokens=True)
+        self._stream = None
+        if stream and backend is not None:
+            from tokenizers.decoders import DecodeStream
+            self._stream = (tokenizer.backend_tokenizer, DecodeStream(skip_special_tokens=True))
         self.text = ""
         self.prefix_offset = 0      # window start
-        self.read_offset = 0        # tokens before this are in self.text
+        self.read_offset = 0        # tokens before this are in self.text (stepped into the stream)
+
+    @property
+    def streams(self) -> bool:
+        """Whether tokenizers' DecodeStream does the decoding."""
+        return self._stream is not None
 
     def update(self, token_ids: list[int]) -> str:
         """token_ids: all output tokens so far (the list only grows). -> the text added since
         the last call."""
+        if self._stream is not None:
+            backend, stream = self._stream
+            pieces = [piece for t in token_ids[self.read_offset:] if (piece := stream.step(backend, t)) is not None]
+            self.read_offset = len(token_ids)
+            delta = "".join(pieces)
+            self.text += delta
+            return delta
         window = token_ids[self.prefix_offset:]
         prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(window)
@@ -61,12 +83,12 @@ class IncrementalDetokenizer:
         return self._decode_ids(ids) if ids else ""
 
 
-def _plain_decode(tokenizer):
-    """`tokenizer.decode(ids, skip_special_tokens=True)` for a list of ids. For a fast tokenizer
-    without the clean-up pass that is exactly its backend's decode, which transformers calls
-    after converting and checking the input in Python: that wrapper costs about twice the
-    decode itself, and a running request decodes twice per token."""
+def _backend_decode(tokenizer):
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as its backend's decode, or None where
+    that is not the same function. For a fast tokenizer without the clean-up pass it is exactly
+    the backend's decode, which transformers calls after converting and checking the input in
+    Python: that wrapper costs about twice the decode itself."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return functools.partial(backend.decode, skip_special_tokens=True)     # no Python frame per call
-    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+    return None

@@ -1,6 +1,7 @@
-"""Incremental detokenizing (a window of recent tokens per update) against full decodes, on the
-embedded model's byte-level BPE tokenizer: text split into multi-byte characters across
-tokens, spaces joining words, and arbitrary token ids."""
+"""Incremental detokenizing (a window of recent tokens per update: tokenizers' DecodeStream, and
+the Python window) against full decodes, on the embedded model's byte-level BPE tokenizer: text
+split into multi-byte characters across tokens, spaces joining words, arbitrary token ids,
+several tokens in one update."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ def tok():
     return load_tokenizer(default_model_path())
 
 
-def stream(tok, ids):
-    detok, deltas = IncrementalDetokenizer(tok), []
-    for i in range(1, len(ids) + 1):
+WAYS = [True, False]      # IncrementalDetokenizer(stream=...)
+
+
+def stream(tok, ids, way=True, step=1):
+    detok, deltas = IncrementalDetokenizer(tok, stream=way), []
+    assert detok.streams == way             # the embedded tokenizer's decode is its backend's
+    for i in list(range(step, len(ids) + 1, step)) + [len(ids)]:
         deltas.append(detok.update(ids[:i]))
         full = tok.decode(ids[:i], skip_special_tokens=True)
         if not full.endswith("\ufffd"):          # nothing is held back: all text is out
@@ -28,26 +33,30 @@ def stream(tok, ids):
     return detok
 
 
-def test_multibyte_characters_and_spaces(tok):
+@pytest.mark.parametrize("way", WAYS)
+def test_multibyte_characters_and_spaces(tok, way):
     text = "def f(x):\n    return 'héllo wörld 世界 🎉' + x  # ok\n"
     ids = tok.encode(text, add_special_tokens=False)
-    assert stream(tok, ids).text == text
-    detok = IncrementalDetokenizer(tok)
+    assert stream(tok, ids, way).text == text
+    assert stream(tok, ids, way, step=3).text == text           # a verify appends several at once
+    detok = IncrementalDetokenizer(tok, stream=way)
     emoji = tok.encode("🎉", add_special_tokens=False)
     assert len(emoji) > 1                                       # one character, several tokens
     assert [detok.update(emoji[:i]) for i in range(1, len(emoji) + 1)][-1] == "🎉"
 
 
+@pytest.mark.parametrize("way", WAYS)
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_matches_full_decode_for_any_ids(tok, data):
+def test_matches_full_decode_for_any_ids(tok, way, data):
     ids = data.draw(st.lists(st.integers(0, len(tok) - 1), min_size=1, max_size=40))
-    stream(tok, ids)
+    stream(tok, ids, way, step=data.draw(st.integers(1, 3)))
 
 
+@pytest.mark.parametrize("way", WAYS)
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(min_size=1, max_size=60))
-def test_round_trips_any_text(tok, text):
+def test_round_trips_any_text(tok, way, text):
     ids = tok.encode(text, add_special_tokens=False)
     if ids:
-        assert stream(tok, ids).text == tok.decode(ids, skip_special_tokens=True)
+        assert stream(tok, ids, way).text == tok.decode(ids, skip_special_tokens=True)
