@@ -30,7 +30,7 @@ from .outputs import RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
 from .request_group import RequestGroup, sample_request_id
-from .sampler import Sampler, SamplingRow, greedy_tokens
+from .sampler import Sampler, SamplingRow, greedy_token_ids
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import StepInputBuilder, StepInputs
@@ -399,7 +399,7 @@ class LLMEngine:
                 rows.extend(self._sampling_row(req, drafts[:j]) for j in range(n))
                 sampled.append(span)
         if greedy:
-            targets, at = greedy_tokens(_logits_rows(logits, greedy)).tolist(), 0
+            targets, at = greedy_token_ids(_logits_rows(logits, greedy)), 0
             for seg, _, n in greedy:
                 # One row (a plain decode, a prefill's end) emits its target whatever the drafts.
                 tokens = (targets[at:at + 1] if n == 1

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_engine.sampler import (Sampler, SamplingRow, apply_penalties, greedy_tokens, mask_banned_tokens,
-                                   position_uniform, processed_probs)
+from hybrid_engine.sampler import (Sampler, SamplingRow, apply_penalties, greedy_token_ids, greedy_tokens,
+                                   mask_banned_tokens, position_uniform, processed_probs)
 from hybrid_engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -139,7 +139,8 @@ def test_greedy_tokens_are_torch_argmax_with_ties_infinities_and_nans(rows, dtyp
     logits = torch.tensor(rows, dtype=dtype)
     if transposed:                                   # the same values in a column-major tensor
         logits = logits.t().contiguous().t()
-    assert greedy_tokens(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    want = torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(logits).tolist() == want and greedy_token_ids(logits) == want
 
 
 def test_temperature_scales_logits():
