@@ -14,9 +14,11 @@ one token each (plain decode), only what changed is written: the new tokens, pos
 lengths and KV slots moved up by one in place, a block-table entry for a request that
 entered a new block, and one column of the attention keys (each row's new key made visible;
 PagedKeys' tails re-read the first key, so nothing else of them changes) unless the step's
-attention reads no keys (the native CPU kernel: `keyless_query_lens`). The values come
-from the host in one tensor, so the step costs a handful of torch ops whatever the batch.
-Anything else, or a step whose keys get wider, is packed from scratch.
+attention reads no keys (the native CPU kernel: `keyless_query_lens`). The values are
+written from the host in place (on CPU through numpy views of the buffers), so the step costs
+a handful of ops whatever the batch. Anything else, or a step whose keys get wider, is packed
+from scratch. Steps without keys widen their block tables to powers of two (`_table_width`),
+so that most block boundaries keep the step's batch object too.
 
 The step's facts that layers would otherwise derive in every layer, with reads back to the
 host (ForwardBatch.attention, .decode_rows, .chunks), are computed here once, from the lists
@@ -30,6 +32,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybrid_engine.kernels import backend_for
@@ -98,6 +101,11 @@ class StepInputBuilder:
         self.has_initial_state = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
         self.state_write_slots = torch.zeros(max_num_seqs, 1 + self.k, **i64)
         self.logits_indices = torch.zeros(max_num_tokens, **i64)
+        # Numpy views of the buffers where they are host memory (CPU), None elsewhere: a step's
+        # host values are written through them (`_put`), about 1 us an assignment where a
+        # tensor made of the list and its copy cost 5 (2026-12-03, Zen 3), ten times a step.
+        self._host = ({name: getattr(self, name).numpy() for name in _BUFFERS} if torch.device(device).type == "cpu"
+                      else None)
         self._last_decode: _SteadyDecode | None = None   # the last step, if it was plain decode only
 
     def build(self, sched: ScheduledBatch, cache: HybridCacheManager) -> StepInputs:
@@ -241,20 +249,14 @@ class StepInputBuilder:
         for tb in tables:
             padded_tables.extend(tb)
             padded_tables.extend([0] * (max_blocks - len(tb)))
-        i64 = torch.int64
-        self.input_ids[:t].copy_(torch.tensor(ids, dtype=i64))
-        self.positions[:t].copy_(torch.tensor(positions, dtype=i64))
-        self.slot_mapping[:t].copy_(torch.tensor(slots, dtype=i64))
-        self.cu_seqlens[:n_seq + 1].copy_(torch.tensor(cu, dtype=i64))
-        self.seq_lens[:n_seq].copy_(torch.tensor(seq_lens, dtype=i64))
-        self.state_slots[:n_seq].copy_(torch.tensor(state_slots, dtype=i64))
-        self.has_initial_state[:n_seq].copy_(torch.tensor(has_init, dtype=torch.bool))
-        bt = self.block_tables[:n_seq, :max_blocks]
-        bt.copy_(torch.tensor(padded_tables, dtype=i64).view(n_seq, max_blocks))
+        for name, values in (("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
+                             ("cu_seqlens", cu), ("seq_lens", seq_lens), ("state_slots", state_slots),
+                             ("has_initial_state", has_init), ("logits_indices", logits_rows)):
+            self._put(name, values)
+        bt = self._put("block_tables", padded_tables, max_blocks)
         wr = self.state_write_slots[:n_dec, :decode_len]
         if n_dec:
-            wr.copy_(torch.tensor(write_slots, dtype=i64).view(n_dec, decode_len))
-        self.logits_indices[:len(logits_rows)].copy_(torch.tensor(logits_rows, dtype=i64))
+            self._put("state_write_slots", write_slots, decode_len)
         seq_lens_t = self.seq_lens[:n_seq]
         read = state_slots[num_prefills:]
         batch = ForwardBatch(
@@ -277,6 +279,23 @@ class StepInputBuilder:
             if num_prefills and self.recurrent_prefill else None,
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
+
+    def _put(self, name: str, values: list, columns: int = 0) -> torch.Tensor:
+        """Writes `values` into the front of buffer `name`: its first len(values) entries, or
+        for a 2-D buffer (columns > 0) the first `columns` of its first len(values) // columns
+        rows, row by row. -> that view of the buffer."""
+        buffer = getattr(self, name)
+        rows = len(values) // columns if columns else len(values)
+        view = buffer[:rows, :columns] if columns else buffer[:rows]
+        if self._host is not None:
+            host = self._host[name]
+            if columns:
+                host[:rows, :columns] = np.array(values, dtype=host.dtype).reshape(rows, columns)
+            else:
+                host[:rows] = values
+        else:
+            view.copy_(torch.tensor(values, dtype=buffer.dtype).to(buffer.device).view(view.shape))
+        return view
 
     def _keyless(self, query_lens: Sequence[int]) -> bool:
         """Whether a step (or pass) whose sequences have these new-token counts gets no attention
@@ -351,13 +370,19 @@ class StepInputBuilder:
         read_width = min(width, self._table_width((max(seq_lens) + bs - 1) // bs,
                                                   self._keyless([n for _, n, _ in segs])))
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
-        # One host-to-tensor conversion for all five fields (each costs more than a copy).
-        fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(
-            [t, t, n_seq + 1, n_seq, len(padded)])
         tables_ahead = self.block_tables[:n_seq, :width]
-        for buffer, values in zip((self.positions[:t], self.slot_mapping[:t], self.cu_seqlens[:n_seq + 1],
-                                   self.seq_lens[:n_seq], tables_ahead), fields):
-            buffer.copy_(values.view(buffer.shape))
+        if self._host is not None:
+            for name, values in (("positions", positions), ("slot_mapping", slots), ("cu_seqlens", cu),
+                                 ("seq_lens", seq_lens)):
+                self._put(name, values)
+            self._put("block_tables", padded, width)
+        else:
+            # One host-to-device conversion for all five fields (each costs more than a copy).
+            fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(
+                [t, t, n_seq + 1, n_seq, len(padded)])
+            for buffer, values in zip((self.positions[:t], self.slot_mapping[:t], self.cu_seqlens[:n_seq + 1],
+                                       self.seq_lens[:n_seq], tables_ahead), fields):
+                buffer.copy_(values.to(buffer.device).view(buffer.shape))
         bt = tables_ahead[:, :read_width]
         no_slots = self.state_slots[:0]
         return ForwardBatch(
@@ -369,6 +394,11 @@ class StepInputBuilder:
             attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True,
                                        keyless=self.keyless_query_lens),
             decode_rows=None, chunks=None), tables_ahead
+
+
+# The builder's buffers, by attribute name (StepInputBuilder._put writes them).
+_BUFFERS = ("input_ids", "positions", "seq_lens", "slot_mapping", "cu_seqlens", "block_tables", "state_slots",
+            "has_initial_state", "state_write_slots", "logits_indices")
 
 
 @dataclass
