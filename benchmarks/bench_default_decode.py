@@ -4,6 +4,7 @@ issue 16's default-model figure.
 
     python benchmarks/bench_default_decode.py OUT.json
 """
+import datetime
 import json
 import os
 import statistics
@@ -36,4 +37,4 @@ replays = eng["compiled"].runner.compiled._decode_replay.replays
 steps = 64 + 5 * 256
 print(f"compiled: {replays} of {steps} decode steps replayed their graph (hybrid_engine/graph_replay.py)")
 print(f"level {cpu_level()}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
-json.dump({"date": "2026-12-01", "level": cpu_level(), "threads": 2, "results": out, "replayed_steps": replays}, open(sys.argv[1], "w"), indent=1)
+json.dump({"date": datetime.date.today().isoformat(), "level": cpu_level(), "threads": 2, "results": out, "replayed_steps": replays}, open(sys.argv[1], "w"), indent=1)
