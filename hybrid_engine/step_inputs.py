@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from hybrid_engine.kernels import backend_for
-from hybrid_engine.kernels.attention import PagedKeys, attention_layout
+from hybrid_engine.kernels.attention import PagedKeys, attention_layout, reads_no_keys
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch
@@ -102,8 +102,9 @@ class StepInputBuilder:
         self.state_write_slots = torch.zeros(max_num_seqs, 1 + self.k, **i64)
         self.logits_indices = torch.zeros(max_num_tokens, **i64)
         # Numpy views of the buffers where they are host memory (CPU), None elsewhere: a step's
-        # host values are written through them (`_put`), about 1 us an assignment where a
-        # tensor made of the list and its copy cost 5 (2026-12-03, Zen 3), ten times a step.
+        # host values are written through them (`_put`, the steady state's add), about 1 us an
+        # assignment where a tensor made of the list and its copy cost 5 and an add 4
+        # (2026-12-03, Zen 3), ten times a step.
         self._host = ({name: getattr(self, name).numpy() for name in _BUFFERS} if torch.device(device).type == "cpu"
                       else None)
         self._last_decode: _SteadyDecode | None = None   # the last step, if it was plain decode only
@@ -167,7 +168,11 @@ class StepInputBuilder:
                 new_blocks.append((row, start // bs, cache.get(req.request_id).block_table[start // bs]))
             segments.append(Segment(req, start, 1, row, True, True))
         n, batch = len(segments), last.inputs.batch      # its views read the buffers changed below
-        last.advance(ids)
+        self._put(("input_ids", ids))
+        if self._host is not None:
+            self._host["_moving"][:4, :n] += 1           # positions, seq_lens, slot_mapping, offsets
+        else:
+            last.moving.add_(1)
         if new_blocks:
             old_width = batch.block_tables.shape[1]
             batch = self._enter_blocks(batch, new_blocks, keyless=last.key_index is None)
@@ -244,19 +249,16 @@ class StepInputBuilder:
                 spans.append((seg, len(logits_rows), n if seg.is_decode else 1))
                 logits_rows.extend(range(first, seg.first_row + n))
         t, n_seq, n_dec = len(ids), len(segments), len(segments) - num_prefills
-        max_blocks = self._table_width(max(len(tb) for tb in tables), self._keyless(query_lens))
+        keyless = reads_no_keys(query_lens, self.keyless_query_lens)
+        max_blocks = self._table_width(max(len(tb) for tb in tables), keyless)
         padded_tables = []
         for tb in tables:
             padded_tables.extend(tb)
             padded_tables.extend([0] * (max_blocks - len(tb)))
-        for name, values in (("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
-                             ("cu_seqlens", cu), ("seq_lens", seq_lens), ("state_slots", state_slots),
-                             ("has_initial_state", has_init), ("logits_indices", logits_rows)):
-            self._put(name, values)
-        bt = self._put("block_tables", padded_tables, max_blocks)
-        wr = self.state_write_slots[:n_dec, :decode_len]
-        if n_dec:
-            self._put("state_write_slots", write_slots, decode_len)
+        bt, wr = self._put(("block_tables", padded_tables, max_blocks), ("state_write_slots", write_slots, decode_len),
+                           ("input_ids", ids), ("positions", positions), ("slot_mapping", slots), ("cu_seqlens", cu),
+                           ("seq_lens", seq_lens), ("state_slots", state_slots), ("has_initial_state", has_init),
+                           ("logits_indices", logits_rows))[:2]
         seq_lens_t = self.seq_lens[:n_seq]
         read = state_slots[num_prefills:]
         batch = ForwardBatch(
@@ -280,27 +282,29 @@ class StepInputBuilder:
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
 
-    def _put(self, name: str, values: list, columns: int = 0) -> torch.Tensor:
-        """Writes `values` into the front of buffer `name`: its first len(values) entries, or
-        for a 2-D buffer (columns > 0) the first `columns` of its first len(values) // columns
-        rows, row by row. -> that view of the buffer."""
-        buffer = getattr(self, name)
-        rows = len(values) // columns if columns else len(values)
-        view = buffer[:rows, :columns] if columns else buffer[:rows]
-        if self._host is not None:
-            host = self._host[name]
-            if columns:
-                host[:rows, :columns] = np.array(values, dtype=host.dtype).reshape(rows, columns)
+    def _put(self, *fields: tuple) -> list[torch.Tensor]:
+        """Writes each field (name, values) or (name, values, columns) into the front of buffer
+        `name`: its first len(values) entries, or for a 2-D buffer the first `columns` of its
+        first len(values) // columns rows, row by row. On CPU through the numpy views; elsewhere
+        all fields in one host-to-device conversion (each costs more than a copy). -> the views
+        written, in order."""
+        views, flat = [], []
+        for name, values, *columns in fields:
+            buffer = getattr(self, name)
+            view = buffer[:len(values) // columns[0], :columns[0]] if columns else buffer[:len(values)]
+            views.append(view)
+            if self._host is None:
+                flat.extend(values)
+            elif columns:
+                self._host[name][:view.shape[0], :columns[0]] = np.array(values, dtype=self._host[name].dtype
+                                                                         ).reshape(view.shape)
             else:
-                host[:rows] = values
-        else:
-            view.copy_(torch.tensor(values, dtype=buffer.dtype).to(buffer.device).view(view.shape))
-        return view
-
-    def _keyless(self, query_lens: Sequence[int]) -> bool:
-        """Whether a step (or pass) whose sequences have these new-token counts gets no attention
-        keys: one shared length, and one of `keyless_query_lens` (attention_layout's rule)."""
-        return len(set(query_lens)) <= 1 and (query_lens[0] if query_lens else 1) in self.keyless_query_lens
+                self._host[name][:len(values)] = values
+        if self._host is None:
+            parts = torch.tensor(flat, dtype=torch.int64).to(self.input_ids.device).split([v.numel() for v in views])
+            for view, part in zip(views, parts):
+                view.copy_(part.view(view.shape))        # casts where the buffer is not int64
+        return views
 
     def _table_width(self, blocks: int, keyless: bool) -> int:
         """The block-table columns of a step whose longest table has `blocks` blocks. Where the
@@ -366,23 +370,13 @@ class StepInputBuilder:
         t, n_seq = len(positions), len(segs)
         # The draft passes read `tables_ahead` (one query each), the catch-up `bt`: each as wide
         # as its attention needs, or bucketed where it reads no keys (`_table_width`).
-        width = self._table_width(max(len(tb) for tb in tables), self._keyless([1]))
+        keyless = self.keyless_query_lens
+        width = self._table_width(max(len(tb) for tb in tables), reads_no_keys([1], keyless))
         read_width = min(width, self._table_width((max(seq_lens) + bs - 1) // bs,
-                                                  self._keyless([n for _, n, _ in segs])))
+                                                  reads_no_keys([n for _, n, _ in segs], keyless)))
         padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
-        tables_ahead = self.block_tables[:n_seq, :width]
-        if self._host is not None:
-            for name, values in (("positions", positions), ("slot_mapping", slots), ("cu_seqlens", cu),
-                                 ("seq_lens", seq_lens)):
-                self._put(name, values)
-            self._put("block_tables", padded, width)
-        else:
-            # One host-to-device conversion for all five fields (each costs more than a copy).
-            fields = torch.tensor(positions + slots + cu + seq_lens + padded, dtype=torch.int64).split(
-                [t, t, n_seq + 1, n_seq, len(padded)])
-            for buffer, values in zip((self.positions[:t], self.slot_mapping[:t], self.cu_seqlens[:n_seq + 1],
-                                       self.seq_lens[:n_seq], tables_ahead), fields):
-                buffer.copy_(values.to(buffer.device).view(buffer.shape))
+        tables_ahead = self._put(("block_tables", padded, width), ("positions", positions), ("slot_mapping", slots),
+                                 ("cu_seqlens", cu), ("seq_lens", seq_lens))[0]
         bt = tables_ahead[:, :read_width]
         no_slots = self.state_slots[:0]
         return ForwardBatch(
@@ -397,8 +391,8 @@ class StepInputBuilder:
 
 
 # The builder's buffers, by attribute name (StepInputBuilder._put writes them).
-_BUFFERS = ("input_ids", "positions", "seq_lens", "slot_mapping", "cu_seqlens", "block_tables", "state_slots",
-            "has_initial_state", "state_write_slots", "logits_indices")
+_BUFFERS = ("input_ids", "_moving", "positions", "seq_lens", "slot_mapping", "cu_seqlens", "block_tables",
+            "state_slots", "has_initial_state", "state_write_slots", "logits_indices")
 
 
 @dataclass
@@ -414,20 +408,3 @@ class _SteadyDecode:
     visible: torch.Tensor | None = None       # [n, L]: the keys' mask
     position: torch.Tensor | None = None      # [n, 1]
 
-    def __post_init__(self):
-        # Host memory (CPU buffers) is written through numpy views of the same bytes: a numpy
-        # assignment costs about 1 us, where a tensor made of the list and its copy cost 5 and
-        # an add 4 (2026-12-03, Zen 3): a tenth of the host work of a default-model step.
-        self._host = ((self.inputs.input_ids.numpy(), self.moving.numpy())
-                      if self.moving.device.type == "cpu" else None)
-
-    def advance(self, ids: list[int]) -> None:
-        """The next plain decode step's host values: its tokens, and positions, lengths, KV
-        slots and offsets in the last block moved on by one."""
-        if self._host is not None:
-            host_ids, host_moving = self._host
-            host_ids[:] = ids
-            host_moving += 1
-        else:
-            self.inputs.input_ids.copy_(torch.tensor(ids, dtype=torch.int64, device=self.moving.device))
-            self.moving.add_(1)

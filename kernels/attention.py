@@ -90,13 +90,19 @@ def needs_paged_keys(kv_cache: torch.Tensor, num_heads: int, query_len: int) -> 
     return not (0 < query_len <= NATIVE_MAX_QUERY_LEN and can_run_native(kv_cache, num_heads, query_len))
 
 
+def reads_no_keys(query_lens: Sequence[int], keyless: Container[int]) -> bool:
+    """Whether the layout of a step whose sequences have these new-token counts has no keys:
+    one shared count (none: 1), and one of `keyless`."""
+    return len(set(query_lens)) <= 1 and (query_lens[0] if query_lens else 1) in keyless
+
+
 def attention_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: Sequence[int],
                      block_size: int, slots_valid: bool, keyless: Container[int] = ()) -> AttentionLayout:
     """The layout of a step whose sequence n has query_lens[n] new tokens (host ints).
     keyless: shared query lengths whose attention needs no keys (`needs_paged_keys`)."""
     if len(set(query_lens)) <= 1:
         q = query_lens[0] if query_lens else 1
-        keys = None if q in keyless else paged_keys(block_tables, seq_lens, q, block_size)
+        keys = None if reads_no_keys(query_lens, keyless) else paged_keys(block_tables, seq_lens, q, block_size)
         return AttentionLayout(keys, (), slots_valid, q)
     starts, groups = [0], {}
     for n, q in enumerate(query_lens):

@@ -62,6 +62,10 @@ def _check_every_build(engine) -> list[int]:
     fresh = StepInputBuilder(b.input_ids.numel(), b.seq_lens.numel(), b.block_tables.shape[1], b.block_size,
                              keyless_query_lens=b.keyless_query_lens)
     fresh.kernels = b.kernels
+    # The fresh packs write their buffers with torch copies (the path off CPU), the engine's
+    # builder through numpy views of them (StepInputBuilder._put): both must give the same inputs.
+    assert b._host is not None
+    fresh._host = None
     build, num_steady = b.build, [0]
 
     def checked_build(sched, cache):
