@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels.cpu.projection import PlainProjection, Projection, choose_projection, plain_linear
+from hybrid_engine.kernels.activation import silu_mul
+from hybrid_engine.kernels.cpu.projection import (PlainProjection, Projection, choose_projection, fused_swiglu,
+                                                 plain_linear)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Projection) -> torch.Tensor:
@@ -25,6 +27,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Projection) -> torch.Tensor:
     if isinstance(weight, Projection):
         return weight(x)
     return plain_linear(x, weight)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor | Projection, down: torch.Tensor | Projection) -> torch.Tensor:
+    """silu(gate) * up of x's merged [gate | up] projection, projected by `down`: one native
+    call where both projections' layouts allow it (`fused_swiglu`), else three."""
+    if isinstance(gate_up, Projection) and isinstance(down, Projection):
+        fused = fused_swiglu(x, gate_up, down)
+        if fused is not None:
+            return fused
+    return linear(silu_mul(linear(x, gate_up)), down)
 
 
 def merge_projections(module: nn.Module, buffer_name: str, children: list[str]) -> None:

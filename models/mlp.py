@@ -6,10 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_engine.kernels.activation import silu_mul
-
 from .config import ModelConfig
-from .linear import linear, merge_projections
+from .linear import merge_projections, swiglu
 
 
 class SwiGLU(nn.Module):
@@ -23,9 +21,9 @@ class SwiGLU(nn.Module):
         merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up: one native call for eager CPU steps, else the torch ops (as `linear`
-        # does for the products, by the tensor alone: no backend to look up per call).
-        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
+        # one native call where the weights' layouts allow, else the products and silu_mul
+        # (itself native for eager CPU calls): chosen by the weights and x alone, per call
+        return swiglu(x, self.gate_up_weight, self.down_proj.weight)
 
 
 class Experts(nn.Module):

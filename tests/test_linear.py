@@ -15,9 +15,12 @@ from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_line
 from hybrid_engine.kernels.cpu import projection as projection_mod
 from hybrid_engine.kernels.cpu.ops import native_ops
 from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
+from hybrid_engine.kernels.activation import silu_mul, silu_mul_torch
 from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
-                                                  WideningProjection, choose_projection, plain_linear)
-from hybrid_engine.models.linear import linear, prepare_projections
+                                                  WideningProjection, choose_projection, fused_swiglu, plain_linear)
+from hybrid_engine.models.linear import linear, prepare_projections, swiglu
+
+from op_calls import recorded_calls
 
 needs_native = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 needs_onednn_bf16 = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="no oneDNN bf16 packing at this level")
@@ -248,6 +251,106 @@ def test_blocked_rows_are_the_weights_rows(dtype):
     w = torch.randn(48, 37, generator=g).to(dtype)
     ids = torch.tensor([0, 17, 47, 17, 5])
     torch.testing.assert_close(BlockedProjection(w).rows(ids), w[ids], rtol=0, atol=0)
+
+
+# ---- the SwiGLU MLP in one call (blocked_linear.cpp blocked_mlp) ------------------------------
+
+def _mlp_weights(dtype, hidden, inner, seed):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(2 * inner, hidden, generator=g) * 0.1).to(dtype),
+            (torch.randn(hidden, inner, generator=g) * 0.1).to(dtype), g)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden, inner", [(192, 384), (64, 40), (32, 24)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 63, 64, 80])
+def test_fused_mlp_equals_its_three_calls_bitwise(dtype, hidden, inner, rows):
+    """The fused op runs the same tiles over the same blocks and the same activation code as
+    linear_blocked, silu_mul, linear_blocked: identical values at every row count, including
+    those (64 on) where it makes the three calls itself."""
+    w_gu, w_d, g = _mlp_weights(dtype, hidden, inner, rows * 100 + inner)
+    gu, d = block_weight(w_gu), block_weight(w_d)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    fused = native_ops().mlp_blocked.default(x, gu, d)
+    three = blocked_linear(native_ops().silu_mul.default(blocked_linear(x, gu)), d)
+    assert fused.shape == (rows, hidden) and fused.dtype == dtype
+    assert torch.equal(fused, three)
+    # and what it computes: the MLP from F.linear in float32, rounded where the kernel rounds
+    h = F.linear(x.float(), w_gu.float()).to(dtype)
+    exact = F.linear(silu_mul_torch(h).float(), w_d.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused.float(), exact, rtol=tol, atol=tol)
+
+
+@needs_native
+def test_fused_mlp_does_not_depend_on_the_thread_count_and_checks_its_inputs():
+    w_gu, w_d, g = _mlp_weights(torch.float32, 96, 200, 7)
+    gu, d = block_weight(w_gu), block_weight(w_d)
+    x = torch.randn(2, 3, 96, generator=g)                  # leading dims kept
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_ops().mlp_blocked.default(x, gu, d)
+        torch.set_num_threads(2)
+        two = native_ops().mlp_blocked.default(x, gu, d)
+    finally:
+        torch.set_num_threads(previous)
+    assert one.shape == (2, 3, 96) and torch.equal(one, two)
+    with pytest.raises(ValueError, match=r"blocked_mlp: x \(3, 95\) torch.float32 does not fit"):
+        native_ops().mlp_blocked.default(torch.randn(3, 95), gu, d)
+    with pytest.raises(ValueError, match="does not fit"):
+        native_ops().mlp_blocked.default(x.bfloat16(), gu, d)            # dtypes differ
+    with pytest.raises(ValueError, match="does not fit"):
+        native_ops().mlp_blocked.default(x, gu, block_weight(torch.randn(96, 96)))   # down's K != I
+
+
+def _fused_calls(x, gate_up, down):
+    with recorded_calls("mlp_blocked") as calls:
+        out = swiglu(x, gate_up, down)
+    return out, len(calls)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40])
+def test_swiglu_fuses_where_both_projections_run_the_register_form(block_every_size, dtype, rows):
+    """models/linear.py swiglu: one mlp_blocked call where both weights are blocked and their
+    own calls would take linear_blocked's register form at this row count (blocked; widening
+    below WIDEN_MIN_ROWS; a few-rows split's copy up to FEW_ROWS), else the three calls, with the
+    same values either way."""
+    w_gu, w_d, g = _mlp_weights(dtype, 64, 48, rows)
+    gu, d = choose_projection(w_gu), choose_projection(w_d)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    out, calls = _fused_calls(x, gu, d)
+    three = linear(silu_mul(linear(x, gu)), d)
+    if isinstance(gu, FewRowsSplit):
+        fuses = rows <= projection_mod.FEW_ROWS
+    elif isinstance(gu, WideningProjection):
+        fuses = rows < projection_mod.WIDEN_MIN_ROWS
+    else:
+        fuses = isinstance(gu, BlockedProjection)
+    assert calls == int(fuses)
+    if fuses or dtype == torch.float32:
+        assert torch.equal(out, three)
+    else:                                   # the three calls themselves (oneDNN or widened tiles)
+        torch.testing.assert_close(out, three, rtol=0, atol=0)
+
+
+@needs_native
+def test_swiglu_keeps_three_calls_where_a_weight_is_cropped_or_plain(block_every_size):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 40, generator=g)
+    gate_up = choose_projection(torch.randn(96, 40, generator=g))
+    cropped_down = choose_projection(torch.randn(40, 48, generator=g))      # 40 rows: padded to 48
+    assert isinstance(cropped_down, BlockedProjection) and cropped_down.blocked.shape[0] == 3
+    out, calls = _fused_calls(x, gate_up, cropped_down)
+    assert calls == 0 and out.shape == (1, 40)
+    assert torch.equal(out, linear(silu_mul(linear(x, gate_up)), cropped_down))
+    plain_down = torch.randn(48, 48, generator=g)
+    out, calls = _fused_calls(x, gate_up, plain_down)
+    assert calls == 0 and torch.equal(out, linear(silu_mul(linear(x, gate_up)), plain_down))
+    assert fused_swiglu(x.double(), gate_up, choose_projection(torch.randn(48, 48, generator=g))) is None
 
 
 # ---- preparing a model's projections (models/linear.py, models/qwen3_5.py) --------------------

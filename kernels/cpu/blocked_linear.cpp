@@ -37,6 +37,7 @@
 #include <omp.h>
 
 #include "kernels.h"
+#include "silu_mul.h"
 #include "simd.h"
 
 #define PREFETCH_DISTANCE 32   // in k steps, i.e. 32 cache lines ahead in each W stream
@@ -168,18 +169,27 @@ static inline void tile_rows(int rows, const typename T::X* xp, const typename T
   tile<PANEL, NR, T>(xp, w, steps, y, N, n0, rows);
 }
 
-// x [M][K] (float32 or bf16 rows) -> panels [ceil(M/PANEL)][steps][PANEL] of T::X (aligned_alloc'd)
+// x [M][K] (float32 or bf16 rows) -> panels [ceil(M/PANEL)][steps][PANEL] of T::X at xp
+template <typename T>
+static size_t panels_bytes(int M, int steps) {
+  return ((size_t)((M + PANEL - 1) / PANEL) * steps * PANEL * sizeof(typename T::X) + 63) / 64 * 64;
+}
 template <typename T, typename XIn>
-static typename T::X* pack_panels(const XIn* x, int M, int K, int steps) {
+static void pack_panels_into(const XIn* x, int M, int K, int steps, typename T::X* xp) {
   using X = typename T::X;
   const int panels = (M + PANEL - 1) / PANEL;
-  X* xp = (X*)aligned_alloc(64, ((size_t)panels * steps * PANEL * sizeof(X) + 63) / 64 * 64);
   for (int p = 0; p < panels; p++)
     for (int k = 0; k < steps; k++)
       for (int r = 0; r < PANEL; r++) {
         int m = p * PANEL + r;
         xp[((size_t)p * steps + k) * PANEL + r] = m < M ? T::pack_x(x + (size_t)m * K, K, k) : X(0);
       }
+}
+// the same into a new buffer (aligned_alloc'd)
+template <typename T, typename XIn>
+static typename T::X* pack_panels(const XIn* x, int M, int K, int steps) {
+  typename T::X* xp = (typename T::X*)aligned_alloc(64, panels_bytes<T>(M, steps));
+  pack_panels_into<T>(x, M, K, steps, xp);
   return xp;
 }
 
@@ -399,6 +409,56 @@ static void blocked_linear_widened(const uint16_t* x, const uint16_t* w, uint16_
   free(xp);
 }
 
+// ---- the SwiGLU MLP in one call ------------------------------------------------------------
+// y = (silu(gate) * up) Wd^T, [gate | up] = x Wgu^T, for the few rows of a decode or verify step.
+// Why: for a small model each of the three calls (two products and the activation) costs more in
+// dispatch, output allocation and its OpenMP fork/join than its arithmetic: one region instead
+// of three, one call instead of three through the dispatcher of a compiled step. The products run
+// the same tiles over the same groups of blocks as `blocked_linear` (each output is one tile's
+// FMA chain, whichever thread runs it) and the activation is silu_mul.h: the same values as the
+// three calls, bitwise. Many rows (prefill) take the three calls themselves: there each is long
+// and has forms of its own (the AVX2 many-rows form).
+constexpr int MLP_FUSED_MAX_ROWS = MANY_ROWS - 1;
+
+template <typename T>
+static void blocked_mlp(const typename T::W* x, const typename T::W* wgu, const typename T::W* wd,
+                        typename T::W* y, int M, int H, int I, int N, int num_threads) {
+  using W = typename T::W;
+  using X = typename T::X;
+  constexpr int LANE = 16 * T::K_PER_STEP;
+  const int steps_x = (H + T::K_PER_STEP - 1) / T::K_PER_STEP, steps_a = (I + T::K_PER_STEP - 1) / T::K_PER_STEP;
+  X* xp = pack_panels<T>(x, M, H, steps_x);
+  X* ap = (X*)aligned_alloc(64, panels_bytes<T>(M, steps_a));
+  W* h = (W*)aligned_alloc(64, ((size_t)M * 3 * I * sizeof(W) + 63) / 64 * 64);   // [gate | up] rows, then a
+  W* a = h + (size_t)M * 2 * I;
+  const int NR = blocks_per_tile<T>(M);
+  const int gu_blocks = 2 * I / 16, gu_groups = (gu_blocks + NR - 1) / NR;
+  const int d_blocks = N / 16, d_groups = (d_blocks + NR - 1) / NR;
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int g = 0; g < gu_groups; g++) {
+      const int b0 = g * NR, nb = gu_blocks - b0 < NR ? gu_blocks - b0 : NR;
+      group_product<T>(nb, xp, wgu + (size_t)b0 * steps_x * LANE, steps_x, h, M, 2 * I, b0 * 16);
+    }
+    // (the loop's barrier: all of [gate | up] is written.) One thread forms the activation's
+    // panels, a few hundred to a few thousand elements a row: less than another barrier's wait.
+#pragma omp single
+    {
+      for (int m = 0; m < M; m++) silu_mul_span(h + (size_t)m * 2 * I, h + (size_t)m * 2 * I + I, a + (size_t)m * I, 0, I);
+      pack_panels_into<T>(a, M, I, steps_a, ap);
+    }
+#pragma omp for schedule(static)
+    for (int g = 0; g < d_groups; g++) {
+      const int b0 = g * NR, nb = d_blocks - b0 < NR ? d_blocks - b0 : NR;
+      group_product<T>(nb, ap, wd + (size_t)b0 * steps_a * LANE, steps_a, y, M, N, b0 * 16);
+    }
+  }
+  free(h);
+  free(ap);
+  free(xp);
+}
+
 extern "C" {
 int blocked_linear_f32(const float* x, const float* w, float* y, int M, int N, int K, int threads) {
   if (simd::W == 8 && M >= MANY_ROWS) blocked_linear_many_rows(x, w, y, y, M, N, K, threads);
@@ -411,6 +471,32 @@ int blocked_linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int M
 }
 int blocked_linear_bf16_widened(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K, int threads) {
   blocked_linear_widened(x, w, y, M, N, K, threads);
+  return 0;
+}
+int blocked_mlp_f32(const float* x, const float* wgu, const float* wd, float* y, int M, int H, int I, int N,
+                    int threads) {
+  if (M <= MLP_FUSED_MAX_ROWS) {
+    blocked_mlp<F32>(x, wgu, wd, y, M, H, I, N, threads);
+    return 0;
+  }
+  float* h = (float*)aligned_alloc(64, ((size_t)M * 3 * I * sizeof(float) + 63) / 64 * 64);
+  blocked_linear_f32(x, wgu, h, M, 2 * I, H, threads);
+  silu_mul_f32(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
+  blocked_linear_f32(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
+  free(h);
+  return 0;
+}
+int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd, uint16_t* y, int M, int H, int I,
+                     int N, int threads) {
+  if (M <= MLP_FUSED_MAX_ROWS) {
+    blocked_mlp<BF16>(x, wgu, wd, y, M, H, I, N, threads);
+    return 0;
+  }
+  uint16_t* h = (uint16_t*)aligned_alloc(64, ((size_t)M * 3 * I * sizeof(uint16_t) + 63) / 64 * 64);
+  blocked_linear_bf16(x, wgu, h, M, 2 * I, H, threads);
+  silu_mul_bf16(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
+  blocked_linear_bf16(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
+  free(h);
   return 0;
 }
 }

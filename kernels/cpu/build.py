@@ -38,7 +38,7 @@ SOURCES = tuple(HERE / name for name in ("blocked_linear.cpp", "gdn_recurrent.cp
                                          "gdn_decode.cpp", "silu_mul.cpp"))
 OPS_SOURCE = HERE / "ops.cpp"
 NAMESPACE_SOURCE = HERE / "ops_namespace.cpp"
-HEADERS = (HERE / "simd.h", HERE / "kernels.h", HERE / "delta_rule.h")
+HEADERS = (HERE / "simd.h", HERE / "kernels.h", HERE / "delta_rule.h", HERE / "silu_mul.h")
 NAMESPACE = "hybrid_engine_cpu"
 
 KERNEL_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++17"]

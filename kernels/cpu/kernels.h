@@ -11,6 +11,13 @@ int blocked_linear_f32(const float* x, const float* w, float* y, int M, int N, i
 int blocked_linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K, int threads);
 int blocked_linear_bf16_widened(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K,
                                 int threads);
+// The SwiGLU MLP (blocked_linear.cpp): y [M, N] = silu_mul(x Wgu^T) Wd^T, x [M, H], Wgu blocked
+// [2I / 16] blocks over H, Wd [N / 16] blocks over I; both float32 or both bf16 pairs (the
+// register forms of blocked_linear_f32 / _bf16: the same values as those calls and silu_mul's).
+int blocked_mlp_f32(const float* x, const float* wgu, const float* wd, float* y, int M, int H, int I, int N,
+                    int threads);
+int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd, uint16_t* y, int M, int H, int I,
+                     int N, int threads);
 
 int gdn_recurrent(const float* kq, const float* decay, const float* beta, const float* v,
                   const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,

@@ -110,6 +110,39 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
   return y;
 }
 
+// x [..., H] -> silu_mul(x Wgu^T) Wd^T [..., N] from two blocked weights of x's dtype (the
+// SwiGLU MLP; kernels/cpu/projection.py `fused_swiglu` routes to it).
+Tensor blocked_mlp_op(const Tensor& x, const Tensor& gate_up_blocked, const Tensor& down_blocked) {
+  const bool pairs = gate_up_blocked.dim() == 4;
+  const int64_t h = x.dim() ? x.size(-1) : 0;
+  const auto fits = [&](const Tensor& w, int64_t k) {
+    return w.dim() == gate_up_blocked.dim() && w.scalar_type() == x.scalar_type() && w.is_contiguous() &&
+           w.size(1) == (pairs ? (k + 1) / 2 : k) && w.size(2) == 16 && (!pairs || w.size(3) == 2);
+  };
+  const bool dtype = pairs ? x.scalar_type() == at::kBFloat16 : x.scalar_type() == at::kFloat;
+  const int64_t i = gate_up_blocked.dim() >= 1 ? gate_up_blocked.size(0) * 8 : 0;   // half of 2I's columns
+  TORCH_CHECK_VALUE(x.dim() >= 1 && dtype && fits(gate_up_blocked, h) && fits(down_blocked, i),
+                    "blocked_mlp: x ", shape(x), " ", dtype_name(x), " does not fit the blocked weights gate_up ",
+                    shape(gate_up_blocked), " ", dtype_name(gate_up_blocked), " and down ", shape(down_blocked),
+                    " ", dtype_name(down_blocked));
+  const int64_t n = down_blocked.size(0) * 16;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  Tensor y = at::empty(sizes, x.options());
+  const int64_t m = h ? x.numel() / h : 0;
+  if (m == 0) return y;
+  const Tensor xc = dense(x);
+  if (!pairs)
+    blocked_mlp_f32(xc.const_data_ptr<float>(), gate_up_blocked.const_data_ptr<float>(),
+                    down_blocked.const_data_ptr<float>(), y.mutable_data_ptr<float>(), m, h, i, n, threads());
+  else
+    blocked_mlp_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()),
+                     static_cast<const uint16_t*>(gate_up_blocked.const_data_ptr()),
+                     static_cast<const uint16_t*>(down_blocked.const_data_ptr()),
+                     static_cast<uint16_t*>(y.mutable_data_ptr()), m, h, i, n, threads());
+  return y;
+}
+
 // ---- gdn_recurrent.cpp ------------------------------------------------------------------------
 
 // Whether rows may run in parallel on the pool itself: every read slot is read by one row only,
@@ -528,6 +561,7 @@ void define_ops(torch::Library& m) {
   // named linear_blocked since: inductor's on-disk cache keys graphs by their code, not by the
   // schemas of the ops they call, and would serve graphs compiled for the old schema.
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
+  m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
@@ -547,6 +581,7 @@ void define_ops(torch::Library& m) {
 
 void cpu_impls(torch::Library& m) {
   m.impl("linear_blocked", blocked_linear_op);
+  m.impl("mlp_blocked", blocked_mlp_op);
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);

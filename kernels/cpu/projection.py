@@ -159,6 +159,36 @@ class FewRowsSplit(Projection):
         return self.many.rows(ids)
 
 
+def _register_form(projection: Projection, rows) -> BlockedProjection | None:
+    """The blocked projection whose register-tile form (linear_blocked, widen=False) serves a
+    product of `rows` rows of x from `projection`, where it needs no crop; else None. `rows`
+    may be symbolic in a traced step: the tests are the ones the projections' own calls make
+    (FewRowsSplit, Widening), so they guard on nothing new."""
+    if isinstance(projection, FewRowsSplit):
+        if rows > FEW_ROWS:
+            return None
+        projection = projection.few
+    if isinstance(projection, WideningProjection):
+        if rows >= WIDEN_MIN_ROWS:
+            return None
+    elif type(projection) is not BlockedProjection:
+        return None
+    return projection if projection.blocked.shape[0] * BLOCK == projection.out_features else None
+
+
+def fused_swiglu(x: torch.Tensor, gate_up: Projection, down: Projection) -> torch.Tensor | None:
+    """silu_mul(x Wgu^T) Wd^T in one native call (mlp_blocked: both products and the activation
+    in one OpenMP region, the same values as the three calls) where both weights run the
+    kernel's register form at this row count; else None, and the caller makes the three calls.
+    gate_up is the merged [gate | up] projection."""
+    rows = x.numel() // x.shape[-1]
+    gu, d = _register_form(gate_up, rows), _register_form(down, rows)
+    if (gu is None or d is None or not (x.dtype == gu.blocked.dtype == d.blocked.dtype)
+            or d.in_features * 2 != gu.out_features):
+        return None
+    return torch.ops.hybrid_engine_cpu.mlp_blocked.default(x, gu.blocked, d.blocked)
+
+
 def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: bool = True) -> Projection:
     """The layout for a [out, in] weight (see the module docstring). onednn=False: weights
     oneDNN would pack stay plain (compiled steps pack their own); few_rows_copy=False: no

@@ -5,19 +5,16 @@
 // and two new tensors per MLP, every layer of an eager decode step, where each costs more in
 // dispatch and allocation than its few thousand multiplies.
 //
-// Rounded as the torch ops round: in float32, silu = x / (1 + e^-x) (simd::exp takes the steps
-// of the SLEEF exp torch's vectorized SiLU calls) times up; in bf16, silu rounded to bf16, then
-// the product of the two bf16 values rounded again. Rows are independent, so a row's output does
-// not depend on how many rows a call has or on the thread count.
+// Rounded as the torch ops round (silu_mul.h, shared with the fused MLP). Rows are independent,
+// so a row's output does not depend on how many rows a call has or on the thread count.
 // x: rows at stride sx (elements), the last dim 2I contiguous; y: [rows, I] contiguous.
 #include <stdint.h>
 
 #include "kernels.h"
-#include "simd.h"
+#include "silu_mul.h"
 
 namespace {
 
-constexpr int V = simd::W;
 // Outputs per thread below which a call runs on one thread (torch's grain; a decode step's
 // one row of a small model's MLP is a microsecond).
 constexpr int64_t GRAIN = 32768;
@@ -32,14 +29,7 @@ void silu_mul(const T* x, T* y, int rows, int I, int64_t sx, int threads) {
   for (int64_t c = 0; c < (int64_t)rows * chunks_per_row; c++) {
     const int64_t r = c / chunks_per_row, begin = (c % chunks_per_row) * chunk;
     const int64_t end = begin + chunk < I ? begin + chunk : I;
-    const T* gate = x + r * sx;
-    const T* up = gate + I;
-    T* out = y + r * I;
-    for (int64_t i = begin; i < end; i += V) {
-      const int n = end - i < V ? (int)(end - i) : V;
-      const simd::F s = simd::round_to(simd::silu(simd::load_n(gate + i, n)), out);
-      simd::store_n(out + i, simd::mul(s, simd::load_n(up + i, n)), n);
-    }
+    silu_mul_span(x + r * sx, x + r * sx + I, y + r * I, begin, end);
   }
 }
 
