@@ -250,7 +250,18 @@ def test_blocked_rows_are_the_weights_rows(dtype):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 37, generator=g).to(dtype)
     ids = torch.tensor([0, 17, 47, 17, 5])
-    torch.testing.assert_close(BlockedProjection(w).rows(ids), w[ids], rtol=0, atol=0)
+    proj = BlockedProjection(w)
+    torch.testing.assert_close(proj.rows(ids), w[ids], rtol=0, atol=0)
+    torch.testing.assert_close(blocked_mod.blocked_rows_reference(proj.blocked, ids, 37), w[ids], rtol=0, atol=0)
+    assert proj.rows(ids[:0]).shape == (0, 37)
+    traced = torch.compile(lambda i: proj.rows(i) * 2, dynamic=True)
+    torch.testing.assert_close(traced(ids), w[ids] * 2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"blocked_rows: an id of \[0, 48\] is outside the weight's 48 rows"):
+        proj.rows(torch.tensor([0, 48]))
+    with pytest.raises(ValueError, match="outside the weight's 48 rows"):
+        proj.rows(torch.tensor([-1]))
+    with pytest.raises(ValueError, match="ids must be int64"):
+        proj.rows(ids.int())
 
 
 # ---- the SwiGLU MLP in one call (blocked_linear.cpp blocked_mlp) ------------------------------

@@ -61,6 +61,18 @@ def native_available() -> bool:
     return native_ops() is not None
 
 
+def blocked_rows_reference(w_blocked: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """W[ids] [n, k] from the blocks, in torch indexing."""
+    picked = w_blocked[ids // BLOCK, :, ids % BLOCK]           # [n, K] or [n, ceil(K/2), 2] (bf16)
+    return picked.reshape(ids.shape[0], -1)[:, :k]
+
+
+def blocked_rows(w_blocked: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """W[ids] [n, k] for int64 ids [n] of a blocked W of k columns, with the native kernel (a
+    tied embedding table read from the blocked lm_head)."""
+    return torch.ops.hybrid_engine_cpu.blocked_rows.default(w_blocked, ids, k)
+
+
 def blocked_linear(x: torch.Tensor, w_blocked: torch.Tensor, widen: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] with the native kernel (`native_available()` must hold);
     widen: bf16 only, W's tiles widened to float32 once per call (see the module docstring)."""

@@ -459,7 +459,32 @@ static void blocked_mlp(const typename T::W* x, const typename T::W* wgu, const 
   free(xp);
 }
 
+// ---- rows of a blocked weight --------------------------------------------------------------
+// W[ids] [n][K] back from the blocks: a tied embedding table whose only copy is the blocked
+// lm_head. Why native: as torch indexing (the shift-and-mask gather), inductor inlines the gather
+// into every consumer of the embedding, each a loop of masked 8-lane index vectors over K for a
+// single token (in the default model's compiled step two such kernels took 5% of the main
+// thread); one call writes the rows once. Row id's element k: float32 W[id >> 4][k][id & 15],
+// bf16 pairs W[id >> 4][k >> 1][id & 15][k & 1]. -> 0, or 1 where an id is outside [0, N).
+template <typename Wt>
+static int blocked_rows(const Wt* w, const int64_t* ids, Wt* out, int n, int K, int64_t N, int steps, int per_step) {
+  for (int i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= N) return 1;
+  for (int i = 0; i < n; i++) {
+    const Wt* block = w + (size_t)(ids[i] >> 4) * steps * 16 * per_step + (ids[i] & 15) * per_step;
+    Wt* row = out + (size_t)i * K;
+    for (int k = 0; k < K; k++) row[k] = block[(size_t)(k / per_step) * 16 * per_step + k % per_step];
+  }
+  return 0;
+}
+
 extern "C" {
+int blocked_rows_f32(const float* w, const int64_t* ids, float* out, int n, int K, int64_t N) {
+  return blocked_rows(w, ids, out, n, K, N, K, 1);
+}
+int blocked_rows_bf16(const uint16_t* w, const int64_t* ids, uint16_t* out, int n, int K, int64_t N) {
+  return blocked_rows(w, ids, out, n, K, N, (K + 1) / 2, 2);
+}
 int blocked_linear_f32(const float* x, const float* w, float* y, int M, int N, int K, int threads) {
   if (simd::W == 8 && M >= MANY_ROWS) blocked_linear_many_rows(x, w, y, y, M, N, K, threads);
   else blocked_linear<F32>(x, w, y, M, N, K, threads);

@@ -11,6 +11,10 @@ int blocked_linear_f32(const float* x, const float* w, float* y, int M, int N, i
 int blocked_linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K, int threads);
 int blocked_linear_bf16_widened(const uint16_t* x, const uint16_t* w, uint16_t* y, int M, int N, int K,
                                 int threads);
+// Rows W[ids] [n, K] of a blocked weight of N rows (blocked_linear.cpp): 0, or 1 where an id is
+// outside [0, N) (nothing written then).
+int blocked_rows_f32(const float* w, const int64_t* ids, float* out, int n, int K, int64_t N);
+int blocked_rows_bf16(const uint16_t* w, const int64_t* ids, uint16_t* out, int n, int K, int64_t N);
 // The SwiGLU MLP (blocked_linear.cpp): y [M, N] = silu_mul(x Wgu^T) Wd^T, x [M, H], Wgu blocked
 // [2I / 16] blocks over H, Wd [N / 16] blocks over I; both float32 or both bf16 pairs (the
 // register forms of blocked_linear_f32 / _bf16: the same values as those calls and silu_mul's).

@@ -110,6 +110,32 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
   return y;
 }
 
+// W[ids] [n, k] from a blocked W (float32 [N/16, K, 16] or bf16 pairs [N/16, ceil(K/2), 16, 2]),
+// ids int64 [n]; k: W's columns (bf16's padded pair dropped).
+Tensor blocked_rows_op(const Tensor& w_blocked, const Tensor& ids, int64_t k) {
+  const bool pairs = w_blocked.dim() == 4;
+  const bool fits = (pairs ? w_blocked.scalar_type() == at::kBFloat16 && w_blocked.size(3) == 2 &&
+                                 w_blocked.size(1) == (k + 1) / 2
+                           : w_blocked.scalar_type() == at::kFloat && w_blocked.dim() == 3 && w_blocked.size(1) == k) &&
+                    w_blocked.size(2) == 16 && w_blocked.is_contiguous();
+  TORCH_CHECK_VALUE(fits, "blocked_rows: ", shape(w_blocked), " ", dtype_name(w_blocked),
+                    " is not a blocked weight of ", k, " columns");
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong, "blocked_rows: ids must be int64 [n], not ",
+                    dtype_name(ids), " ", shape(ids));
+  Tensor out = at::empty({ids.size(0), k}, w_blocked.options());
+  if (ids.size(0) == 0) return out;
+  const Tensor idc = dense(ids);
+  const int64_t N = w_blocked.size(0) * 16;
+  const int rc = pairs ? blocked_rows_bf16(static_cast<const uint16_t*>(w_blocked.const_data_ptr()),
+                                           idc.const_data_ptr<int64_t>(), static_cast<uint16_t*>(out.mutable_data_ptr()),
+                                           ids.size(0), k, N)
+                       : blocked_rows_f32(w_blocked.const_data_ptr<float>(), idc.const_data_ptr<int64_t>(),
+                                          out.mutable_data_ptr<float>(), ids.size(0), k, N);
+  TORCH_CHECK_VALUE(rc == 0, "blocked_rows: an id of ", values(idc.const_data_ptr<int64_t>(), 1, ids.size(0), false),
+                    " is outside the weight's ", N, " rows");
+  return out;
+}
+
 // x [..., H] -> silu_mul(x Wgu^T) Wd^T [..., N] from two blocked weights of x's dtype (the
 // SwiGLU MLP; kernels/cpu/projection.py `fused_swiglu` routes to it).
 Tensor blocked_mlp_op(const Tensor& x, const Tensor& gate_up_blocked, const Tensor& down_blocked) {
@@ -561,6 +587,7 @@ void define_ops(torch::Library& m) {
   // named linear_blocked since: inductor's on-disk cache keys graphs by their code, not by the
   // schemas of the ops they call, and would serve graphs compiled for the old schema.
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
+  m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
@@ -582,6 +609,7 @@ void define_ops(torch::Library& m) {
 void cpu_impls(torch::Library& m) {
   m.impl("linear_blocked", blocked_linear_op);
   m.impl("mlp_blocked", blocked_mlp_op);
+  m.impl("blocked_rows", blocked_rows_op);
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);

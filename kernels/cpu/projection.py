@@ -52,14 +52,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .blocked import BLOCK, block_weight, blocked_linear, can_block
+from .blocked import BLOCK, block_weight, blocked_linear, blocked_rows, can_block
 from .isa import at_least, mkl_gemv_is_tuned, onednn_packs
 
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
 BLOCKED_MIN_BYTES = 1 << 20         # smaller weights may stay plain (see the module docstring)
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
-BLOCK_SHIFT = BLOCK.bit_length() - 1
-assert BLOCK == 1 << BLOCK_SHIFT     # (rows() gathers by shift and mask)
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
 
@@ -120,11 +118,9 @@ class BlockedProjection(Projection):
         return y[..., :self.out_features].contiguous()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        # shift and mask, not // and %: in a compiled step inductor inlines this gather into every
-        # consumer of the embedding and there divides int64 vectors element by element (generic
-        # code; 3.5% of a compiled default-model step's samples on an AMD EPYC, 1.8% as shifts)
-        picked = self.blocked[ids >> BLOCK_SHIFT, :, ids & (BLOCK - 1)]   # [n, K] or [n, K/2, 2] (bf16)
-        return picked.reshape(ids.shape[0], -1)[:, :self.in_features]
+        # the native gather (blocked_linear.cpp blocked_rows): as torch indexing, a compiled step
+        # inlined it into every consumer of the embedding, each far slower than one copy
+        return blocked_rows(self.blocked, ids, self.in_features)
 
 
 class WideningProjection(BlockedProjection):
