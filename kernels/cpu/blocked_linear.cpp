@@ -169,6 +169,47 @@ static inline void tile_rows(int rows, const typename T::X* xp, const typename T
   tile<PANEL, NR, T>(xp, w, steps, y, N, n0, rows);
 }
 
+// A buffer for one call's packed x (or the MLP's intermediates), 64-byte aligned. Up to
+// SCRATCH_KEEP bytes it is the calling thread's buffer for that slot, kept across calls: a decode
+// step makes about 40 of these calls, and allocating and freeing their few KB each time was 2% of
+// the default model's compiled step (aligned_alloc splits and merges chunks). Larger ones
+// (prefill) are allocated per call, so no thread keeps megabytes. Slots: the callers that hold
+// one while calling another kernel (the MLP's many-rows form) use different slots.
+constexpr size_t SCRATCH_KEEP = 256 << 10;
+enum ScratchSlot { SCRATCH_X, SCRATCH_MLP_H, SCRATCH_MLP_A, SCRATCH_SLOTS };
+class Scratch {
+ public:
+  Scratch(ScratchSlot slot, size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes > SCRATCH_KEEP) {
+      p_ = own_ = aligned_alloc(64, bytes);
+      return;
+    }
+    Kept& kept = kept_[slot];
+    if (kept.size < bytes) {
+      free(kept.p);
+      kept.p = aligned_alloc(64, SCRATCH_KEEP < 2 * bytes ? SCRATCH_KEEP : 2 * bytes);
+      kept.size = SCRATCH_KEEP < 2 * bytes ? SCRATCH_KEEP : 2 * bytes;
+    }
+    p_ = kept.p;
+  }
+  ~Scratch() { free(own_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename T> T* as() const { return static_cast<T*>(p_); }
+
+ private:
+  struct Kept {
+    void* p = nullptr;
+    size_t size = 0;
+    ~Kept() { free(p); }
+  };
+  static thread_local Kept kept_[SCRATCH_SLOTS];
+  void* p_ = nullptr;
+  void* own_ = nullptr;
+};
+thread_local Scratch::Kept Scratch::kept_[SCRATCH_SLOTS];
+
 // x [M][K] (float32 or bf16 rows) -> panels [ceil(M/PANEL)][steps][PANEL] of T::X at xp
 template <typename T>
 static size_t panels_bytes(int M, int steps) {
@@ -185,10 +226,10 @@ static void pack_panels_into(const XIn* x, int M, int K, int steps, typename T::
         xp[((size_t)p * steps + k) * PANEL + r] = m < M ? T::pack_x(x + (size_t)m * K, K, k) : X(0);
       }
 }
-// the same into a new buffer (aligned_alloc'd)
+// the same into the calling thread's scratch buffer `xs`
 template <typename T, typename XIn>
-static typename T::X* pack_panels(const XIn* x, int M, int K, int steps) {
-  typename T::X* xp = (typename T::X*)aligned_alloc(64, panels_bytes<T>(M, steps));
+static typename T::X* pack_panels(const XIn* x, int M, int K, int steps, const Scratch& xs) {
+  typename T::X* xp = xs.as<typename T::X>();
   pack_panels_into<T>(x, M, K, steps, xp);
   return xp;
 }
@@ -352,7 +393,8 @@ template <typename T>
 static void blocked_linear(const typename T::W* x, const typename T::W* w, typename T::W* y,
                            int M, int N, int K, int num_threads) {
   const int steps = (K + T::K_PER_STEP - 1) / T::K_PER_STEP;
-  typename T::X* xp = pack_panels<T>(x, M, K, steps);
+  const Scratch xs(SCRATCH_X, panels_bytes<T>(M, steps));
+  typename T::X* xp = pack_panels<T>(x, M, K, steps, xs);
   const int blocks = N / 16;
   const int NR = blocks_per_tile<T>(M);
   const int groups = (blocks + NR - 1) / NR;
@@ -363,7 +405,6 @@ static void blocked_linear(const typename T::W* x, const typename T::W* w, typen
     const int nb = blocks - b0 < NR ? blocks - b0 : NR;
     group_product<T>(nb, xp, w + (size_t)b0 * steps * LANE, steps, y, M, N, b0 * 16);
   }
-  free(xp);
 }
 
 // nb blocks of bf16 pairs [nb][ceil(K/2)][16][2] -> float32 [nb][K][16] (the padded k dropped)
@@ -389,7 +430,8 @@ static void blocked_linear_widened(const uint16_t* x, const uint16_t* w, uint16_
     free(acc);
     return;
   }
-  float* xp = pack_panels<WidenedBF16>(x, M, K, K);
+  const Scratch xs(SCRATCH_X, panels_bytes<WidenedBF16>(M, K));
+  float* xp = pack_panels<WidenedBF16>(x, M, K, K, xs);
   const int blocks = N / 16;
   const int NR = blocks_per_tile<WidenedBF16>(M);
   const int groups = (blocks + NR - 1) / NR;
@@ -406,7 +448,6 @@ static void blocked_linear_widened(const uint16_t* x, const uint16_t* w, uint16_
     }
     free(wf);
   }
-  free(xp);
 }
 
 // ---- the SwiGLU MLP in one call ------------------------------------------------------------
@@ -427,9 +468,11 @@ static void blocked_mlp(const typename T::W* x, const typename T::W* wgu, const 
   using X = typename T::X;
   constexpr int LANE = 16 * T::K_PER_STEP;
   const int steps_x = (H + T::K_PER_STEP - 1) / T::K_PER_STEP, steps_a = (I + T::K_PER_STEP - 1) / T::K_PER_STEP;
-  X* xp = pack_panels<T>(x, M, H, steps_x);
-  X* ap = (X*)aligned_alloc(64, panels_bytes<T>(M, steps_a));
-  W* h = (W*)aligned_alloc(64, ((size_t)M * 3 * I * sizeof(W) + 63) / 64 * 64);   // [gate | up] rows, then a
+  const Scratch xs(SCRATCH_X, panels_bytes<T>(M, steps_x)), acts(SCRATCH_MLP_A, panels_bytes<T>(M, steps_a)),
+      hs(SCRATCH_MLP_H, (size_t)M * 3 * I * sizeof(W));
+  X* xp = pack_panels<T>(x, M, H, steps_x, xs);
+  X* ap = acts.as<X>();
+  W* h = hs.as<W>();                    // [gate | up] rows, then the activation's rows
   W* a = h + (size_t)M * 2 * I;
   const int NR = blocks_per_tile<T>(M);
   const int gu_blocks = 2 * I / 16, gu_groups = (gu_blocks + NR - 1) / NR;
@@ -454,9 +497,6 @@ static void blocked_mlp(const typename T::W* x, const typename T::W* wgu, const 
       group_product<T>(nb, ap, wd + (size_t)b0 * steps_a * LANE, steps_a, y, M, N, b0 * 16);
     }
   }
-  free(h);
-  free(ap);
-  free(xp);
 }
 
 // ---- rows of a blocked weight --------------------------------------------------------------
@@ -504,11 +544,11 @@ int blocked_mlp_f32(const float* x, const float* wgu, const float* wd, float* y,
     blocked_mlp<F32>(x, wgu, wd, y, M, H, I, N, threads);
     return 0;
   }
-  float* h = (float*)aligned_alloc(64, ((size_t)M * 3 * I * sizeof(float) + 63) / 64 * 64);
+  const Scratch hs(SCRATCH_MLP_H, (size_t)M * 3 * I * sizeof(float));
+  float* h = hs.as<float>();
   blocked_linear_f32(x, wgu, h, M, 2 * I, H, threads);
   silu_mul_f32(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
   blocked_linear_f32(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
-  free(h);
   return 0;
 }
 int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd, uint16_t* y, int M, int H, int I,
@@ -517,11 +557,11 @@ int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd,
     blocked_mlp<BF16>(x, wgu, wd, y, M, H, I, N, threads);
     return 0;
   }
-  uint16_t* h = (uint16_t*)aligned_alloc(64, ((size_t)M * 3 * I * sizeof(uint16_t) + 63) / 64 * 64);
+  const Scratch hs(SCRATCH_MLP_H, (size_t)M * 3 * I * sizeof(uint16_t));
+  uint16_t* h = hs.as<uint16_t>();
   blocked_linear_bf16(x, wgu, h, M, 2 * I, H, threads);
   silu_mul_bf16(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
   blocked_linear_bf16(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
-  free(h);
   return 0;
 }
 }
