@@ -238,7 +238,35 @@ def parse_config(raw: dict) -> ModelConfig:
         raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
     if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
         raise ConfigError(f"rotary dim {cfg.rotary_dim} (head_dim * partial_rotary_factor) must be even and >= 2")
+    _check_weight_sizes(cfg)
     return cfg
+
+
+MAX_WEIGHT_ELEMENTS = 1 << 40        # 4 TB of float32 in one weight: far above any real model's
+
+
+def _check_weight_sizes(cfg: ModelConfig) -> None:
+    """Sizes whose weights could not exist are a broken config. Without this check the model's
+    construction fails with torch's overflow error (a RuntimeError) even on the meta device."""
+    lk, lv = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    shapes = {
+        "the embedding (vocab_size x hidden_size)": (cfg.vocab_size, cfg.hidden_size),
+        "q_proj (num_attention_heads x head_dim x 2, hidden_size)": (cfg.num_attention_heads * cfg.head_dim * 2,
+                                                                      cfg.hidden_size),
+        "k_proj (num_key_value_heads x head_dim, hidden_size)": (cfg.num_key_value_heads * cfg.head_dim,
+                                                                 cfg.hidden_size),
+        "in_proj_qkvz (linear heads x dims, hidden_size)": (2 * lk + 2 * lv, cfg.hidden_size),
+        "conv1d (linear heads x dims, linear_conv_kernel_dim)": (2 * lk + lv, cfg.linear_conv_kernel_dim),
+        "the MLP (intermediate_size x 2, hidden_size)": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "the experts (num_experts x moe_intermediate_size x 2, hidden_size)": (
+            2 * cfg.num_experts * cfg.moe_intermediate_size, cfg.hidden_size),
+        "the shared expert (shared_expert_intermediate_size x 2, hidden_size)": (
+            2 * cfg.shared_expert_intermediate_size, cfg.hidden_size),
+    }
+    for name, (rows, cols) in shapes.items():
+        if rows * cols > MAX_WEIGHT_ELEMENTS:
+            raise ConfigError(f"{name} would be a {rows} x {cols} weight, more than {MAX_WEIGHT_ELEMENTS} elements: "
+                              "the config's sizes are broken")
 
 
 def _mlp_only_layers(value, n_layers: int) -> list[int]:

@@ -301,6 +301,19 @@ def test_unsupported_model_type(broken):
         load_config(folder)
 
 
+@pytest.mark.parametrize("edits, weight", [
+    ({"hidden_size": 10**9, "num_attention_heads": 10**9}, "q_proj"),      # int64 overflow at construction
+    ({"vocab_size": 10**9, "hidden_size": 10**6}, "the embedding"),
+])
+def test_sizes_no_weight_could_have_are_a_config_error(broken, edits, weight):
+    folder, _ = broken
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(edits)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"{weight} .* would be a .* weight, more than 1099511627776 elements"):
+        load_config(folder)
+
+
 def test_missing_tensor(broken, models):
     folder, raw = broken
     raw.pop("model.layers.2.linear_attn.A_log")
