@@ -186,10 +186,10 @@ class Scratch {
       return;
     }
     Kept& kept = kept_[slot];
-    if (kept.size < bytes) {
+    if (kept.size < bytes) {               // grown to twice the need, so a few sizes settle it
       free(kept.p);
-      kept.p = aligned_alloc(64, SCRATCH_KEEP < 2 * bytes ? SCRATCH_KEEP : 2 * bytes);
       kept.size = SCRATCH_KEEP < 2 * bytes ? SCRATCH_KEEP : 2 * bytes;
+      kept.p = aligned_alloc(64, kept.size);
     }
     p_ = kept.p;
   }
@@ -518,6 +518,24 @@ static int blocked_rows(const Wt* w, const int64_t* ids, Wt* out, int n, int K, 
   return 0;
 }
 
+// The fused form for few rows; for many, the three calls themselves (`linear` and `silu` are
+// this file's and silu_mul.cpp's entries for T's dtype), through the same intermediate buffer.
+template <typename T, typename W = typename T::W>
+static int mlp_entry(const W* x, const W* wgu, const W* wd, W* y, int M, int H, int I, int N, int threads,
+                     int (*linear)(const W*, const W*, W*, int, int, int, int),
+                     void (*silu)(const W*, W*, int, int, int64_t, int)) {
+  if (M <= MLP_FUSED_MAX_ROWS) {
+    blocked_mlp<T>(x, wgu, wd, y, M, H, I, N, threads);
+    return 0;
+  }
+  const Scratch hs(SCRATCH_MLP_H, (size_t)M * 3 * I * sizeof(W));
+  W* h = hs.as<W>();
+  linear(x, wgu, h, M, 2 * I, H, threads);
+  silu(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
+  linear(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
+  return 0;
+}
+
 extern "C" {
 int blocked_rows_f32(const float* w, const int64_t* ids, float* out, int n, int K, int64_t N) {
   return blocked_rows(w, ids, out, n, K, N, K, 1);
@@ -540,28 +558,10 @@ int blocked_linear_bf16_widened(const uint16_t* x, const uint16_t* w, uint16_t* 
 }
 int blocked_mlp_f32(const float* x, const float* wgu, const float* wd, float* y, int M, int H, int I, int N,
                     int threads) {
-  if (M <= MLP_FUSED_MAX_ROWS) {
-    blocked_mlp<F32>(x, wgu, wd, y, M, H, I, N, threads);
-    return 0;
-  }
-  const Scratch hs(SCRATCH_MLP_H, (size_t)M * 3 * I * sizeof(float));
-  float* h = hs.as<float>();
-  blocked_linear_f32(x, wgu, h, M, 2 * I, H, threads);
-  silu_mul_f32(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
-  blocked_linear_f32(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
-  return 0;
+  return mlp_entry<F32>(x, wgu, wd, y, M, H, I, N, threads, blocked_linear_f32, silu_mul_f32);
 }
 int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd, uint16_t* y, int M, int H, int I,
                      int N, int threads) {
-  if (M <= MLP_FUSED_MAX_ROWS) {
-    blocked_mlp<BF16>(x, wgu, wd, y, M, H, I, N, threads);
-    return 0;
-  }
-  const Scratch hs(SCRATCH_MLP_H, (size_t)M * 3 * I * sizeof(uint16_t));
-  uint16_t* h = hs.as<uint16_t>();
-  blocked_linear_bf16(x, wgu, h, M, 2 * I, H, threads);
-  silu_mul_bf16(h, h + (size_t)M * 2 * I, M, I, 2 * I, threads);
-  blocked_linear_bf16(h + (size_t)M * 2 * I, wd, y, M, N, I, threads);
-  return 0;
+  return mlp_entry<BF16>(x, wgu, wd, y, M, H, I, N, threads, blocked_linear_bf16, silu_mul_bf16);
 }
 }
