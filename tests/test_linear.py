@@ -349,6 +349,27 @@ def test_swiglu_fuses_where_both_projections_run_the_register_form(block_every_s
 
 
 @needs_native
+def test_compiled_graphs_take_the_fused_mlp_and_the_native_gather(block_every_size):
+    """A traced decode-sized MLP is one mlp_blocked call (no linear_blocked), and a blocked
+    table's rows one blocked_rows call: inductor then has no gather to inline into its loops."""
+    w_gu, w_d, g = _mlp_weights(torch.float32, 64, 48, 12)
+    gu, d = choose_projection(w_gu), choose_projection(w_d)
+    table = BlockedProjection(torch.randn(96, 64, generator=g))
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append({node.target for node in gm.graph.nodes})
+        return gm.forward
+    torch._dynamo.reset()
+    f = torch.compile(lambda ids: swiglu(table.rows(ids), gu, d), backend=backend, dynamic=True)
+    ids = torch.tensor([5, 90, 17])
+    assert torch.equal(f(ids), linear(silu_mul(linear(table.rows(ids), gu)), d))
+    ops = torch.ops.hybrid_engine_cpu
+    assert ops.mlp_blocked.default in graphs[0] and ops.blocked_rows.default in graphs[0]
+    assert ops.linear_blocked.default not in graphs[0]
+
+
+@needs_native
 def test_swiglu_keeps_three_calls_where_a_weight_is_cropped_or_plain(block_every_size):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 40, generator=g)
