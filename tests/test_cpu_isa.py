@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -108,3 +109,25 @@ def test_onednn_packing_follows_torchs_own_check_at_avx512(monkeypatch):
     assert isa.onednn_packs(torch.float16) == (torch.backends.mkldnn.is_available()
                                                and torch.ops.mkldnn._is_mkldnn_fp16_supported())
     assert not isa.onednn_packs(torch.float32)
+
+
+def _zmm_instructions(library) -> int | None:
+    """Instructions of a library that touch a 512-bit zmm register; None without objdump."""
+    if shutil.which("objdump") is None:
+        return None
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], check=True,
+                             capture_output=True, text=True).stdout
+    return sum("%zmm" in line for line in listing.splitlines())
+
+
+def test_every_level_builds_on_any_machine_and_only_avx512_levels_use_zmm():
+    # A CPU runs only its own level and those below, so an AVX2-only machine never loads the
+    # AVX-512 libraries: building them here (compile and link, never load) keeps their code
+    # compiling where CI has no AVX-512, and the zmm count shows each got the width it asked for.
+    from hybrid_engine.kernels.cpu import build
+    for level in ("avx2", "avx512", "avx512_bf16"):
+        library = build._build(level)
+        assert library.is_file() and f"-{level}-" in library.name
+        zmm = _zmm_instructions(library)
+        if zmm is not None:
+            assert (zmm > 0) == level.startswith("avx512"), (level, zmm)
