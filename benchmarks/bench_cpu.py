@@ -201,13 +201,20 @@ def run_child(job: dict) -> dict:
 def bandwidth_probe(gib: float = 2.0, repeats: int = 7) -> dict:
     """Best read bandwidth over a few read-only passes of a tensor far larger than the caches.
 
-    A plain sum() is limited by its own reduction (about half of what the memory gives);
-    a GEMV (the op batch-1 decode is made of) and amax stream at the memory's rate.
+    A plain sum() is limited by its own reduction; a GEMV (the op batch-1 decode is made of) and
+    amax by their per-element work on some CPUs; `stream` (stream_read.c, built with the
+    engine's compiler) does nothing but load. The best of them is the roofline's bandwidth. One
+    figure only holds for the moment it was taken (a Zen 3 VM drifted 17-30 GB/s within
+    minutes), so a roofline share wants a probe taken next to the run it divides.
     """
     import torch
     x = torch.empty(int(gib * 2**30) // 4).normal_()
     w, v = x.view(-1, 4096), torch.randn(4096)
     probes = {"mv": lambda: torch.mv(w, v), "amax": lambda: x.amax(), "sum": lambda: x.sum()}
+    stream = stream_reader()
+    if stream is not None:
+        threads = torch.get_num_threads()
+        probes["stream"] = lambda: stream(x.data_ptr(), x.numel(), threads)
     best = {}
     for name, fn in probes.items():
         fn()
@@ -218,6 +225,34 @@ def bandwidth_probe(gib: float = 2.0, repeats: int = 7) -> dict:
             times.append(time.perf_counter() - t)
         best[name] = x.numel() * 4 / min(times) / 1e9
     return {"gb_s": max(best.values()), "by_probe_gb_s": best, "tensor_gib": gib}
+
+
+def stream_reader():
+    """stream_read.c's stream_read(ptr, floats, threads) through ctypes, built for this process's
+    CPU level into the engine's kernel cache; None (with a warning) where it cannot be built."""
+    import ctypes
+    import hashlib
+    import warnings
+    from hybrid_engine.kernels.cpu import build
+    from hybrid_engine.kernels.cpu.isa import cpu_level
+    source = Path(__file__).with_name("stream_read.c")
+    try:
+        cc = build._compiler()
+        flags = ["-O3", "-fopenmp", "-fPIC", "-shared", *build.LEVEL_FLAGS.get(cpu_level(), [])]
+        key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("HYBRID_ENGINE_CACHE_DIR", Path.home() / ".cache" / "hybrid-engine"))
+        library = cache / f"stream_read-{key}.so"
+        if not library.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            partial = library.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([cc, "-x", "c", *flags, str(source), "-o", str(partial)], check=True, capture_output=True)
+            os.replace(partial, library)
+        fn = ctypes.CDLL(str(library)).stream_read
+    except (OSError, subprocess.CalledProcessError) as e:
+        warnings.warn(f"bandwidth_probe: stream_read.c could not be built ({e}); torch probes only")
+        return None
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
 
 
 # ---- parent side -----------------------------------------------------------------------------

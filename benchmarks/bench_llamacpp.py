@@ -37,7 +37,9 @@ prefill of one 512-token prompt; batch-1 greedy decode of 128 tokens after a 32-
 the prefill step excluded), eager and, with --engines ours,compiled, torch.compile'd steps.
 Prints a table with ours / llama.cpp ratios and writes --json with the CPU's flags and level
 beside every figure, each build's CMake flags and count of zmm (AVX-512) instructions (0 for
-the AVX2 build: it is what makes it a like-with-like baseline). llama-bench runs with its own
+the AVX2 build: it is what makes it a like-with-like baseline). The roofline column divides each
+row's decode by the roofline of a bandwidth probe (bench_cpu.bandwidth_probe) taken just before
+that row: the host's read rate can drift by half within minutes. llama-bench runs with its own
 defaults otherwise (f16 KV cache, flash attention auto, weights repacked at load).
 """
 
@@ -379,7 +381,8 @@ def roofline(dtype: str, generate: int, bandwidth_gb_s: float, config: dict = QW
 
 def table(rows: list[dict], generate: int = GENERATE, roofs: dict | None = None) -> str:
     """One line per (level, dtype, engine): pp512 and tg128 tok/s, ours / llama.cpp, and the
-    decode's share of the memory roofline (roofs: dtype -> roofline())."""
+    decode's share of the memory roofline: the row's own ("roofline", from a probe taken just
+    before it), else roofs' (dtype -> roofline())."""
     ref = {(r["level"], r["dtype"]): r for r in rows if r["engine"] == "llama.cpp"}
     keys = (f"pp{PROMPT}", f"tg{generate}")
     lines = [f"{'level':<7} {'dtype':<9} {'engine':<10} {keys[0] + ' tok/s':>12} {keys[1] + ' tok/s':>12} "
@@ -394,7 +397,7 @@ def table(rows: list[dict], generate: int = GENERATE, roofs: dict | None = None)
                 cells.append(f"{r[key]['tok_s'] / base[key]['tok_s']:>8.2f}x")
             else:
                 cells.append(f"{'':>9}")
-        roof = (roofs or {}).get(r["dtype"])
+        roof = r.get("roofline") or (roofs or {}).get(r["dtype"])
         cells.append(f"{100 * r[keys[1]]['tok_s'] / roof['tok_s']:>8.0f}%" if roof and keys[1] in r else f"{'-':>9}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
@@ -459,20 +462,31 @@ def main() -> None:
     load_start = os.getloadavg()
     import torch
     torch.set_num_threads(args.threads)
-    bandwidth = bandwidth_probe()
-    roofs = {dtype: roofline(dtype, args.generate, bandwidth["gb_s"], model_config(args.model, folder))
-             for dtype in dtypes}
-    print(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({args.threads} threads); batch-1 roofline "
-          + ", ".join(f"{d} {r['tok_s']:.1f} tok/s" for d, r in roofs.items()), flush=True)
+    config = model_config(args.model, folder)
+
+    def probed() -> dict:
+        """A bandwidth probe and this row's rooflines from it: the host's read rate drifts within
+        minutes, so each row is divided by a probe taken just before it."""
+        probe = bandwidth_probe()
+        print(f"read bandwidth {probe['gb_s']:.1f} GB/s ({args.threads} threads)", flush=True)
+        return {"bandwidth": probe, "rooflines": {d: roofline(d, args.generate, probe["gb_s"], config) for d in dtypes}}
+
+    first = probed()
+    bandwidth, roofs = first["bandwidth"], first["rooflines"]
+    print("batch-1 roofline " + ", ".join(f"{d} {r['tok_s']:.1f} tok/s" for d, r in roofs.items()), flush=True)
     rows = []
     for dtype in dtypes:
         for level in levels:
+            probe = probed() if rows else first
             print(f"llama-bench {level} {dtype} ...", flush=True)
             rows.append({"level": level, "dtype": dtype, "engine": "llama.cpp", "gguf": str(ggufs[dtype]),
+                         "bandwidth_gb_s": probe["bandwidth"]["gb_s"], "roofline": probe["rooflines"][dtype],
                          **run_llama_bench(binaries[level], ggufs[dtype], args.threads, args.runs, args.generate)})
             for engine in engines:
+                probe = probed()
                 print(f"{engine} {level} {dtype} ...", flush=True)
                 rows.append({"level": level, "dtype": dtype, "engine": engine,
+                             "bandwidth_gb_s": probe["bandwidth"]["gb_s"], "roofline": probe["rooflines"][dtype],
                              **run_ours(engine, folder, dtype, args.threads, args.runs, level, args.generate,
                                         args.model)})
     print(table(rows, args.generate, roofs))

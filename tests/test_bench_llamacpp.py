@@ -98,6 +98,10 @@ def test_the_checkpoint_names_its_architecture_and_the_table_shows_ratios():
     # the decode's share of a roofline of 9.3 tok/s
     lines = bench.table(rows, roofs={"float32": {"tok_s": 9.3}}).splitlines()
     assert lines[1].split()[-1] == "100%" and lines[2].split()[-1] == "50%"
+    # a row's own roofline (its probe, taken just before it) comes before the shared one
+    rows[1]["roofline"] = {"tok_s": 6.2}
+    lines = bench.table(rows, roofs={"float32": {"tok_s": 9.3}}).splitlines()
+    assert lines[1].split()[-1] == "100%" and lines[2].split()[-1] == "75%"
 
 
 def test_the_roofline_reads_every_weight_once_at_the_bandwidth():
