@@ -4,7 +4,8 @@
 // blocked layout W_blocked[N/16][K][16] each thread reads one contiguous run of memory, and the
 // vectors of W feed the FMAs of every row of x at once, so 4-32 rows cost little more than one
 // (MKL's GEMM at 4-16 rows streams at about half the rate of its GEMV). Software prefetch keeps
-// a few KB of each stream in flight: without it the 16-row case ran at 60% of this speed.
+// a few KB of each stream in flight: without it the 16-row case ran at 60% of this speed
+// (AVX2 at 1-2 rows goes without: group_product).
 //
 // One source for every level (simd.h): a 16-column block is 16 / simd::W vectors (one on
 // AVX-512, two on AVX2). Register tiles: MR rows of x (broadcast one at a time) times NR blocks
@@ -143,7 +144,7 @@ static int balanced_blocks_per_tile(int M, int blocks, int threads) {
 // w ([NR][steps][64 bytes]); writes y rows (row stride N) from column n0.
 template <int MR, int NR, typename T>
 static inline void tile(const typename T::X* xp, const typename T::W* w, int steps,
-                        typename T::Y* y, int N, int n0, int rows) {
+                        typename T::Y* y, int N, int n0, int rows, bool prefetch) {
   constexpr int LANE = 16 * T::K_PER_STEP;   // elements of W per block and step (64 bytes)
   constexpr int PER_VECTOR = LANE / VB;
   simd::F acc[MR][NR * VB];
@@ -154,7 +155,7 @@ static inline void tile(const typename T::X* xp, const typename T::W* w, int ste
     for (int j = 0; j < NR; j++) {
       const typename T::W* p = w + ((size_t)j * steps + k) * LANE;
       for (int v = 0; v < VB; v++) wv[j * VB + v] = T::load(p + v * PER_VECTOR);
-      _mm_prefetch((const char*)(p + PREFETCH_DISTANCE * LANE), _MM_HINT_T0);
+      if (prefetch) _mm_prefetch((const char*)(p + PREFETCH_DISTANCE * LANE), _MM_HINT_T0);
     }
     for (int r = 0; r < MR; r++) {
       const typename T::XB xb = T::broadcast(xp[(size_t)k * PANEL + r]);
@@ -171,21 +172,21 @@ static inline void tile(const typename T::X* xp, const typename T::W* w, int ste
 
 template <int NR, typename T>
 static inline void tile_rows(int rows, const typename T::X* xp, const typename T::W* w, int steps,
-                             typename T::Y* y, int N, int n0) {
+                             typename T::Y* y, int N, int n0, bool prefetch) {
   switch (rows) {
-    case 1: tile<1, NR, T>(xp, w, steps, y, N, n0, rows); return;
-    case 2: tile<2, NR, T>(xp, w, steps, y, N, n0, rows); return;
-    case 3: tile<3, NR, T>(xp, w, steps, y, N, n0, rows); return;
+    case 1: tile<1, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
+    case 2: tile<2, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
+    case 3: tile<3, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
   }
   if constexpr (PANEL > 4) {
     switch (rows) {
-      case 4: tile<4, NR, T>(xp, w, steps, y, N, n0, rows); return;
-      case 5: tile<5, NR, T>(xp, w, steps, y, N, n0, rows); return;
-      case 6: tile<6, NR, T>(xp, w, steps, y, N, n0, rows); return;
-      case 7: tile<7, NR, T>(xp, w, steps, y, N, n0, rows); return;
+      case 4: tile<4, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
+      case 5: tile<5, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
+      case 6: tile<6, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
+      case 7: tile<7, NR, T>(xp, w, steps, y, N, n0, rows, prefetch); return;
     }
   }
-  tile<PANEL, NR, T>(xp, w, steps, y, N, n0, rows);
+  tile<PANEL, NR, T>(xp, w, steps, y, N, n0, rows, prefetch);
 }
 
 // A buffer for one call's packed x (or the MLP's intermediates), 64-byte aligned. Up to
@@ -254,18 +255,25 @@ static typename T::X* pack_panels(const XIn* x, int M, int K, int steps, const S
 }
 
 // Every panel of x against one group of nb <= 4 blocks of W (wg: [nb][steps][64 bytes]).
+// The software prefetch is left out on AVX2 below PREFETCH_FROM_ROWS rows: there the loads
+// of 4 streams alone keep the memory busy, and the prefetches cost more than they win (Zen 3,
+// 0.8B, batch-1 decode interleaved with the prefetching kernel, 12 pairs: fp32 1.04x, bf16 1.03x;
+// from 3 rows a C model of the tile ran faster with them).
+// AVX-512 keeps them at every M: not measured there without.
+constexpr int PREFETCH_FROM_ROWS = 3;
 template <typename T>
 static void group_product(int nb, const typename T::X* xp, const typename T::W* wg, int steps,
                           typename T::Y* y, int M, int N, int n0) {
+  const bool prefetch = simd::W == 16 || M >= PREFETCH_FROM_ROWS;
   const int panels = (M + PANEL - 1) / PANEL;
   for (int p = 0; p < panels; p++) {
     const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
     const typename T::X* xs = xp + (size_t)p * steps * PANEL;
     typename T::Y* ys = y + (size_t)p * PANEL * N;
-    if (nb == 4) tile_rows<4, T>(rows, xs, wg, steps, ys, N, n0);
-    else if (nb == 3) tile_rows<3, T>(rows, xs, wg, steps, ys, N, n0);
-    else if (nb == 2) tile_rows<2, T>(rows, xs, wg, steps, ys, N, n0);
-    else tile_rows<1, T>(rows, xs, wg, steps, ys, N, n0);
+    if (nb == 4) tile_rows<4, T>(rows, xs, wg, steps, ys, N, n0, prefetch);
+    else if (nb == 3) tile_rows<3, T>(rows, xs, wg, steps, ys, N, n0, prefetch);
+    else if (nb == 2) tile_rows<2, T>(rows, xs, wg, steps, ys, N, n0, prefetch);
+    else tile_rows<1, T>(rows, xs, wg, steps, ys, N, n0, prefetch);
   }
 }
 
