@@ -113,7 +113,7 @@ def test_native_kernel_builds_where_the_cpu_can_run_it():
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 31, 33, 64, 100])
 @pytest.mark.parametrize("n", [16, 48, 80, 336])        # 1, 3, 5, 21 blocks: every tile width and tail
 def test_blocked_float32_matches_f_linear(rows, n):
     g = torch.Generator().manual_seed(rows * 1000 + n)
@@ -158,7 +158,26 @@ def test_blocked_float32_many_rows_at_avx2_equals_each_row_alone(rows, k, thread
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 40])
+@pytest.mark.parametrize("level", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_few_rows_equal_each_row_alone_bitwise(level, dtype):
+    """Every tile shape (1-4 rows: 4, 3 or 2 blocks wide; panels of 5-6 or 8 rows) runs the same
+    FMA chain per output: a row's product is the same bits at any row count. MTP verify's rows
+    must equal plain decode's one row for speculation to stay lossless. The AVX2 build is loaded
+    explicitly, so an AVX-512 machine covers its tiles too."""
+    product = (native_ops() if level == "native" else native_ops("avx2")).linear_blocked.default
+    g = torch.Generator().manual_seed(7)
+    n, k = 336, 192                                       # 21 blocks: every tile width and a tail
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(17, k, generator=g).to(dtype)
+    wb = block_weight(w)
+    alone = torch.cat([product(x[i:i + 1].contiguous(), wb, False) for i in range(17)])
+    for rows in range(2, 18):
+        assert torch.equal(product(x[:rows].contiguous(), wb, False), alone[:rows]), rows
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 40])
 @pytest.mark.parametrize("n,k", [(96, 128), (96, 37), (80, 64)])   # odd K: the last pair padded; 5 blocks
 def test_blocked_bfloat16_matches_f_linear(rows, n, k):
     g = torch.Generator().manual_seed(rows)

@@ -44,7 +44,11 @@
 #define PREFETCH_DISTANCE 32   // in k steps, i.e. 32 cache lines ahead in each W stream
 
 constexpr int VB = 16 / simd::W;              // vectors per 16-column block
-constexpr int PANEL = simd::W == 16 ? 8 : 4;  // rows of x per pass
+// Rows of x per pass. AVX2 6: MTP verify's 5 rows (k = 4) and 6 take one pass of one-block tiles
+// (12 accumulators), not a 4-row pass and a second pass over W (the default model's 4 shapes at
+// 5 rows, 2 threads, 3 rounds of processes interleaved: 0.53-0.73x the time in 10 of the 12,
+// 1.02-1.15x in 2).
+constexpr int PANEL = simd::W == 16 ? 8 : 6;
 
 // The float32 and bfloat16 forms of one k step, on one 64-byte run of W per block: float32
 // holds 16 columns at one k, bfloat16 16 columns at two k. `WV` is one vector of W as the FMAs
@@ -104,16 +108,19 @@ struct WidenedBF16 : F32 {
 };
 
 // Blocks of W per tile for M rows. Up to 4 rows (decode, MTP verify) the product is bound by
-// memory, not by registers: 4 blocks per tile (AVX2: 3 from 3 rows on) keep more streams of W in
-// flight, even where AVX2's accumulators then spill to L1 (measured at 0.8B shapes, 1 thread,
-// against the register rule below: AVX2 bf16 +10-17% at 1 row, +25-50% at 2, +20-35% at 3-4;
-// AVX2 float32 +0-5% at 1 row, +25-40% at 3-4; AVX-512 at 3-4 rows +5-15%). Beyond that, with
-// one-register W vectors on AVX-512: 8x2 up to 8 rows, 8x3 passes for more (as measured);
-// otherwise the widest tile whose accumulators (MR x NR x VB), W vectors and x broadcast fit
-// the registers.
+// memory, not by registers: 4 blocks per tile keep more streams of W in flight, even where AVX2's
+// accumulators then spill to L1 (measured at 0.8B shapes, 1 thread, against the register rule
+// below: AVX2 bf16 +10-17% at 1 row, +25-50% at 2, +20-35% at 3-4; AVX2 float32 +0-5% at 1 row,
+// +25-40% at 3-4; AVX-512 at 3-4 rows +5-15%). AVX2 narrows to 3 blocks at 3 rows and 2 at 4: at 4
+// rows 3 and 4 blocks spill more than the extra streams win (0.8B shapes streamed from memory, 2
+// threads, medians interleaved: 2 blocks 0.88-0.91x the time of 3 in float32, 0.97x in bf16; the
+// default model's cache-resident shapes 0.78-1.02x). Beyond 4 rows, with one-register W vectors on
+// AVX-512: 8x2 up to 8 rows, 8x3 passes for more (as measured); otherwise the widest tile whose
+// accumulators (MR x NR x VB), W vectors and x broadcast fit the registers (AVX2: one block for
+// panels of 5-6 rows).
 template <typename T>
 static int blocks_per_tile(int M) {
-  if (M <= 4) return simd::W == 8 && M >= 3 ? 3 : 4;
+  if (M <= 4) return simd::W == 16 || M <= 2 ? 4 : M == 3 ? 3 : 2;
   if (simd::W == 16 && T::REGS_PER_WV == 1) return M <= 8 ? 2 : 3;
   const int rows = M < PANEL ? M : PANEL;
   for (int nr = 4; nr > 1; nr--)
