@@ -71,11 +71,14 @@ class HybridForCausalLM(nn.Module):
         return hidden, self.compute_logits(hidden[batch.logits_indices]).float()
 
     def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                    caches: LayerCaches) -> torch.Tensor:
+                    caches: LayerCaches, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One MTP pass (models/mtp.py): tokens [T] (token t+1), hidden [T, H] (the target's
-        final-normed h_t) -> the MTP layer's final-normed hidden [T, H]."""
+        final-normed h_t) -> the MTP layer's final-normed hidden [T, H]. rope: the cos, sin
+        tables of batch.positions in the embeddings' dtype where the caller made them already
+        (the draft passes make all of theirs at once)."""
         embeds = self.embed(tokens)
-        rope = self.rope(batch.positions, embeds.dtype)
+        if rope is None:
+            rope = self.rope(batch.positions, embeds.dtype)
         return self.mtp(embeds, hidden.to(embeds.dtype), batch, caches, rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
