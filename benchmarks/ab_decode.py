@@ -35,5 +35,5 @@ out = {"a": a, "b": b, "dtype": dtype, "mode": mode, "steps_per_block": int(step
        "ratio_b_over_a": ratios, "median_ratio": statistics.median(ratios), "load": os.getloadavg()}
 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if not isinstance(v, list)}))
 print("ratios", [round(r, 3) for r in sorted(ratios)])
-if len(sys.argv) > 8 and sys.argv[-1].endswith(".json"):
+if len(sys.argv) > 7 and sys.argv[-1].endswith(".json"):
     json.dump(out, open(sys.argv[-1], "w"), indent=1)
