@@ -31,15 +31,19 @@ WEIGHT_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16
 EPS = 1e-6
 
 
-def assert_close_to_reference(got, want):
+def assert_close_to_reference(got, want, max_ulps: int = 1):
     """The kernel sums the squares in its own order: float32 within a few ulps; bf16 (rounded
-    once from float32 values that close) bitwise or one bf16 ulp, nearly all bitwise."""
+    once from float32 values that close) bitwise or one bf16 ulp, nearly all bitwise. max_ulps
+    2 for the gated norm, which rounds three times (the normed x, its product with the weight,
+    the gated output): a one-ulp difference at the first rounding can grow to two through the
+    later ones (hypothesis found one: a normed 1.87891 at the midpoint of two bf16 values, its
+    product with the weight then rounded in the next binade; 1 of 564 outputs)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:
         ulps = (got.contiguous().view(torch.int16).int() - want.contiguous().view(torch.int16).int()).abs()
-        assert int(ulps.max()) <= 1, f"{int((ulps > 1).sum())} outputs more than one bf16 ulp apart"
+        assert int(ulps.max()) <= max_ulps, f"{int((ulps > max_ulps).sum())} outputs more than {max_ulps} bf16 ulps apart"
         assert int((ulps > 0).sum()) <= 2 + got.numel() // 1000, "too many outputs one ulp apart"
 
 
@@ -164,7 +168,7 @@ def test_any_size_matches_the_torch_forms(level, seed, R, H, D, dtypes):
     assert torch.equal(total, want_total)
     assert_close_to_reference(y, want_y)
     assert_close_to_reference(native.gated_rms_norm_native(x, z, 1 + w, EPS, level=level),
-                              norm.gated_rms_norm_torch(x, z, 1 + w, EPS))
+                              norm.gated_rms_norm_torch(x, z, 1 + w, EPS), max_ulps=2)
     # q/k: x's heads as q, h's first head as k, an even rotary width within the head
     rot = 2 * (seed % (D // 2 + 1))
     cos, sin = rope_cos_sin(torch.arange(R) * 11 + 3, rot, 1e7, dtype) if rot else (x.new_empty(R, 0),) * 2
