@@ -188,6 +188,8 @@ def _report(results: list[Measured], params, args, model: tuple[str, str], num_p
     """model: (folder, dtype)."""
     import torch
 
+    from .kernels.cpu.isa import cpu_level, detected_level
+
     base = results[0]
     base_wall = _median(base.walls)
     rows = []
@@ -213,6 +215,9 @@ def _report(results: list[Measured], params, args, model: tuple[str, str], num_p
         "prompts": args.prompts or "built-in", "max_tokens": params.max_tokens,
         "temperature": params.temperature, "repeats": args.repeats, "batch_size": args.batch_size,
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
+        # The instruction-set level the CPU kernels ran at (kernels/cpu/isa.py) and the CPU's own:
+        # a figure means little without it (an AVX2 and an AVX-512 machine differ 2x).
+        "cpu_level": cpu_level(), "cpu_detected_level": detected_level(),
         "results": rows, "best_k": best["k"], "best_speedup": best["speedup"],
     }
 
@@ -240,7 +245,8 @@ def _print_table(report: dict) -> None:
             identical[r["greedy_identical"]] if r["k"] else "(reference)")
     out = console()
     out.print(table)
-    out.print(f"best: k={report['best_k']}, {report['best_speedup']:.2f}x wall-clock over no speculation")
+    level = f" (CPU level {report['cpu_level']})" if report["device"] == "cpu" else ""
+    out.print(f"best: k={report['best_k']}, {report['best_speedup']:.2f}x wall-clock over no speculation{level}")
 
 
 def _fmt(value: float | None) -> str:

@@ -14,6 +14,8 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
+from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level
+
 from checkpoints import save_tokenizer
 from spec_models import make_spec_checkpoint
 
@@ -111,6 +113,8 @@ def test_bench_reports_every_k_and_identical_greedy_outputs(models):
                "--repeats", "1", "--max-tokens", "8", "--json", root / "bench.json", "--plot", root / "bench.png"))
     assert "speedup" in r.stdout and "greedy identical" in r.stdout
     report = json.loads((root / "bench.json").read_text())
+    assert report["cpu_level"] == cpu_level() and report["cpu_detected_level"] == detected_level()
+    assert f"CPU level {cpu_level()}" in r.stdout
     rows = report["results"]
     assert [row["k"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:
