@@ -237,21 +237,22 @@ class Scratch {
 };
 thread_local Scratch::Kept Scratch::kept_[SCRATCH_SLOTS];
 
-// x [M][K] (float32 or bf16 rows) -> panels [ceil(M/PANEL)][steps][PANEL] of T::X at xp
+// x [M][K] (float32 or bf16 rows) -> panels [ceil(M/PANEL)][steps][PANEL] of T::X at xp. A last
+// panel of fewer than PANEL rows is written only in its rows: every tile reads only the rows it
+// has (tile_rows), and at a decode's one row five of every six stores were padding (AVX2).
 template <typename T>
 static size_t panels_bytes(int M, int steps) {
   return ((size_t)((M + PANEL - 1) / PANEL) * steps * PANEL * sizeof(typename T::X) + 63) / 64 * 64;
 }
 template <typename T, typename XIn>
 static void pack_panels_into(const XIn* x, int M, int K, int steps, typename T::X* xp) {
-  using X = typename T::X;
   const int panels = (M + PANEL - 1) / PANEL;
-  for (int p = 0; p < panels; p++)
+  for (int p = 0; p < panels; p++) {
+    const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
     for (int k = 0; k < steps; k++)
-      for (int r = 0; r < PANEL; r++) {
-        int m = p * PANEL + r;
-        xp[((size_t)p * steps + k) * PANEL + r] = m < M ? T::pack_x(x + (size_t)m * K, K, k) : X(0);
-      }
+      for (int r = 0; r < rows; r++)
+        xp[((size_t)p * steps + k) * PANEL + r] = T::pack_x(x + (size_t)(p * PANEL + r) * K, K, k);
+  }
 }
 // the same into the calling thread's scratch buffer `xs`
 template <typename T, typename XIn>
