@@ -76,7 +76,8 @@ class DraftPasses:
         d = last.shape[0]
         offsets = torch.arange(1, self.num_drafts, device=last.device)
         positions = last[None, :] + offsets[:, None]                         # [k-1, D]
-        slots = tables.gather(1, (positions // bs).t()).t() * bs + positions % bs
+        blocks = tables.gather(1, (positions // bs).t()).t().contiguous()   # [k-1, D]: each pass's row contiguous
+        slots = blocks * bs + positions % bs
         seq_lens = positions + 1
         cos, sin = model.rope(positions.reshape(-1), dtype)
         cos, sin = cos.view(self.num_drafts - 1, d, -1).unbind(0), sin.view(self.num_drafts - 1, d, -1).unbind(0)
