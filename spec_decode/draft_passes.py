@@ -79,16 +79,16 @@ class DraftPasses:
         blocks = tables.gather(1, (positions // bs).t()).t().contiguous()   # [k-1, D]: each pass's row contiguous
         slots = blocks * bs + positions % bs
         seq_lens = positions + 1
-        cos, sin = model.rope(positions.reshape(-1), dtype)
-        cos, sin = cos.view(self.num_drafts - 1, d, -1).unbind(0), sin.view(self.num_drafts - 1, d, -1).unbind(0)
+        cos, sin = (t.view(self.num_drafts - 1, d, -1).unbind(0) for t in model.rope(positions.reshape(-1), dtype))
         cu_seqlens = torch.arange(d + 1, device=last.device)
         no_rows = last[:0]              # the MTP layer is attention only: no GDN state, no logits rows
+        no_initial, no_writes = no_rows.bool(), no_rows.view(0, 1)
         batches = []
         for j, (pos, slot, lens) in enumerate(zip(positions.unbind(0), slots.unbind(0), seq_lens.unbind(0))):
             keys = None if self.keyless else paged_keys(tables, lens, 1, bs)
             batch = ForwardBatch(
                 positions=pos, cu_seqlens=cu_seqlens, seq_lens=lens, slot_mapping=slot, block_tables=tables,
-                state_slots=no_rows, has_initial_state=no_rows.bool(), state_write_slots=no_rows.view(0, 1),
+                state_slots=no_rows, has_initial_state=no_initial, state_write_slots=no_writes,
                 logits_indices=no_rows, num_prefills=d, num_prefill_tokens=d, decode_len=1, kernels=kernels,
                 attention=AttentionLayout(keys, (), slots_valid=True, query_len=1),
                 decode_rows=None, chunks=None)
