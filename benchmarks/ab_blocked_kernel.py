@@ -7,7 +7,7 @@ second apart. Separate processes minutes apart cannot settle a few percent on a 
 speed swings by 10-30% (one round of per-process microbenchmarks read the same code 1.5x
 slower than the next).
 
-    python benchmarks/ab_blocked_kernel.py OTHER_TREE [--k 4] [--rounds 10] [--json out.json]
+    python benchmarks/ab_blocked_kernel.py OTHER_TREE [--k 4] [--rounds 10] [--out out.json]
 
 First a check that the switch takes: the lm_head shape at 5 rows timed with each build. Then
 the greedy tokens of both builds at both k are checked equal, and the pairs are timed.
@@ -29,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_llamacpp import cpu_record  # noqa: E402
 
-from hybrid_engine.cli import build_engine, encode_prompts, sampling_params  # noqa: E402
-from hybrid_engine.cli_bench import BUILTIN_PROMPTS, SteppedEngine, add_arguments  # noqa: E402
+from mtp_pairs import add_arguments, load_prompts, quartiles, time_prompt  # noqa: E402
+
+from hybrid_engine.cli import build_engine, sampling_params  # noqa: E402
+from hybrid_engine.cli_bench import SteppedEngine  # noqa: E402
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, build, native_available  # noqa: E402
 from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
 
@@ -75,7 +77,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", help="write the figures and every run's time here (JSON)")
-    add_arguments(ap)           # the bench's engine and sampling flags (its own --max-k etc. unused)
+    add_arguments(ap)           # the bench's prompts, sampling and engine flags
     args = ap.parse_args()
     if not native_available():
         raise SystemExit("no native kernels at this level: nothing to compare")
@@ -91,7 +93,7 @@ def main() -> None:
 
     params = sampling_params(args, ignore_eos=True)
     engines = {k: SteppedEngine(build_engine(args, k)) for k in (0, args.k)}
-    prompts = encode_prompts(engines[0], BUILTIN_PROMPTS)
+    prompts = load_prompts(args, engines[0])
     tokens = set()
     for use_other in (False, True):
         switch.use_other = use_other
@@ -105,10 +107,7 @@ def main() -> None:
             for use_other in ((False, True) if (r + i) % 2 else (True, False)):
                 switch.use_other = use_other
                 for k in ((0, args.k) if i % 2 else (args.k, 0)):
-                    engines[k].reset_prefix_cache()
-                    start = time.perf_counter()
-                    engines[k].generate([prompt], params)
-                    times[(use_other, k)].append(time.perf_counter() - start)
+                    times[(use_other, k)].append(time_prompt(engines[k], prompt, params))
     n, report = params.max_tokens, {}
     for use_other, name in ((True, "other"), (False, "this")):
         pairs = [a / b for a, b in zip(times[(use_other, 0)], times[(use_other, args.k)])]
@@ -119,10 +118,10 @@ def main() -> None:
               f"tok/s, MTP speedup {report[name]['median_pair_speedup']:.3f}x (median pair)")
     for k in engines:
         ratios = sorted(b / a for a, b in zip(times[(True, k)], times[(False, k)]))
-        report[f"k{k}_time_this_over_other"] = {"median": statistics.median(ratios),
-                                                 "quartiles": [ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]]}
-        print(f"k={k}: time this / other {statistics.median(ratios):.3f} (quartiles "
-              f"{ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}), {len(ratios)} pairs")
+        q = quartiles(ratios)
+        report[f"k{k}_time_this_over_other"] = {"median": statistics.median(ratios), "quartiles": q}
+        print(f"k={k}: time this / other {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[1]:.3f}), "
+              f"{len(ratios)} pairs")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,6 +1,7 @@
 """MTP speedup over plain decoding, measured in pairs: engines for k = 0 and each k given, all
-loaded in one process, each prompt (the bench's, or --prompts) run by every engine in turn (the order rotated), so
-each prompt and round gives a ratio t(k=0) / t(k) from runs a fraction of a second apart.
+loaded in one process, each prompt (the bench's, or --prompts) run by every engine in turn (the
+order rotated), so each prompt and round gives a ratio t(k=0) / t(k) from runs a fraction of a
+second apart.
 
 `hybrid-engine bench` times each k over all prompts (about a second) and interleaves the k
 values per repeat; on a shared host whose speed swings by 10-30% within seconds its best-k
@@ -33,22 +34,42 @@ from hybrid_engine.cli import (add_engine_arguments, add_sampling_arguments, bui
 from hybrid_engine.cli_bench import BUILTIN_PROMPTS, SteppedEngine  # noqa: E402
 
 
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The prompts, sampling and engine flags as the bench takes them (not its --max-k etc.)."""
+    ap.add_argument("--prompts", metavar="FILE", help="as the bench takes them (default: its code prompts)")
+    add_sampling_arguments(ap, max_tokens=64, full=False)
+    add_engine_arguments(ap)
+
+
+def load_prompts(args, engine: SteppedEngine) -> list:
+    return encode_prompts(engine, read_prompt_file(args.prompts)[0] if args.prompts else BUILTIN_PROMPTS)
+
+
+def time_prompt(engine: SteppedEngine, prompt, params) -> float:
+    """Seconds for one request of `prompt`, prefilled afresh (no hit in the prefix cache)."""
+    engine.reset_prefix_cache()
+    start = time.perf_counter()
+    engine.generate([prompt], params)
+    return time.perf_counter() - start
+
+
+def quartiles(ordered: list[float]) -> list[float]:
+    return [ordered[len(ordered) // 4], ordered[3 * len(ordered) // 4]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ks", default="3,4,5", help="draft lengths against k = 0")
     ap.add_argument("--rounds", type=int, default=6, help="passes over the prompts")
     ap.add_argument("--json", help="write the figures and every pair's times here")
-    ap.add_argument("--prompts", metavar="FILE", help="as the bench takes them (default: its code prompts)")
-    add_sampling_arguments(ap, max_tokens=64, full=False)   # and the engine's, as the bench has them
-    add_engine_arguments(ap)
+    add_arguments(ap)
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     if not ks or any(not 1 <= k <= 8 for k in ks) or args.rounds < 1:
         ap.error("--ks must list draft lengths in 1..8 and --rounds must be >= 1")
     params = sampling_params(args, ignore_eos=True)
     engines = {k: SteppedEngine(build_engine(args, k)) for k in [0, *ks]}
-    raw = read_prompt_file(args.prompts)[0] if args.prompts else BUILTIN_PROMPTS
-    prompts = encode_prompts(engines[0], raw)
+    prompts = load_prompts(args, engines[0])
     reference = [o.outputs[0].token_ids for o in engines[0].generate(prompts, params)]
     for k in ks:                          # also the warm-up
         if [o.outputs[0].token_ids for o in engines[k].generate(prompts, params)] != reference:
@@ -59,16 +80,13 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             turn = (r + i) % len(order)
             for k in order[turn:] + order[:turn]:
-                engines[k].reset_prefix_cache()       # every run prefills its prompt
-                start = time.perf_counter()
-                engines[k].generate([prompt], params)
-                times[k].append(time.perf_counter() - start)
+                times[k].append(time_prompt(engines[k], prompt, params))
     n = params.max_tokens
     rows = []
     for k in ks:
         ratios = sorted(a / b for a, b in zip(times[0], times[k]))
         rows.append({"k": k, "median_pair_speedup": statistics.median(ratios),
-                     "quartiles": [ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]],
+                     "quartiles": quartiles(ratios),
                      "total_time_speedup": sum(times[0]) / sum(times[k]),
                      "median_tok_s": n / statistics.median(times[k]), "pairs": len(ratios)})
     print(f"k=0: {n / statistics.median(times[0]):.1f} tok/s (median prompt), "

@@ -1,11 +1,11 @@
 """Batch-1 decode's share of the memory roofline, each timed block divided by bandwidth probes
 taken just before and just after it. Our engine stays loaded in a child process
-(benchmarks/ab_decode_child.py) while this process alternates bench_cpu.bandwidth_probe and a
+(pair_llamacpp.Ours: benchmarks/ab_decode_child.py) while this process alternates bench_cpu.bandwidth_probe and a
 timed block of the child's decode steps, PAIRS times. The host's read rate drifts (17-30 GB/s
 within minutes on a Zen 3 VM), so one probe for a whole table says little about a row taken a
 minute later.
 
-    python benchmarks/roofline_pairs.py CHECKPOINT DTYPE [--steps 16] [--pairs 8] [--json out.json]
+    python benchmarks/roofline_pairs.py CHECKPOINT DTYPE [--steps 16] [--pairs 8] [--threads N] [--json out.json]
 
 The roofline: bench_llamacpp.roofline (every weight once, the GDN states and the KV of the
 mean context per step) at the mean of the two probes around the block; CHECKPOINT must have
@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_cpu import bandwidth_probe  # noqa: E402
 from bench_llamacpp import GENERATE, cpu_record, roofline  # noqa: E402
+from pair_llamacpp import Ours  # noqa: E402
 
 
 def main() -> None:
@@ -36,25 +36,14 @@ def main() -> None:
     ap.add_argument("dtype", choices=["float32", "bfloat16"])
     ap.add_argument("--steps", type=int, default=16, help="decode steps per timed block")
     ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gib", type=float, default=1.0, help="probe tensor size")
     ap.add_argument("--json")
     args = ap.parse_args()
-    child = subprocess.Popen([sys.executable, str(HERE / "ab_decode_child.py"), args.checkpoint, args.dtype,
-                              str(args.steps), "eager"], cwd=HERE.parent, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-    while (line := child.stdout.readline()) and line.strip() != "ready":
-        pass
-    if not line:
-        raise SystemExit("the decode child exited before it was ready")
-
-    def block() -> float:
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        return args.steps / float(child.stdout.readline())
-
+    ours = Ours(Path(args.checkpoint), args.dtype, args.steps, "ours", "native", args.threads)
     rows, before = [], bandwidth_probe(args.gib, repeats=3)["gb_s"]
     for _ in range(args.pairs):
-        tok_s = block()
+        tok_s = ours.block()
         after = bandwidth_probe(args.gib, repeats=3)["gb_s"]
         roof = roofline(args.dtype, GENERATE, (before + after) / 2)["tok_s"]
         rows.append({"tok_s": tok_s, "probe_before_gb_s": before, "probe_after_gb_s": after,
@@ -62,16 +51,14 @@ def main() -> None:
         print(f"{tok_s:6.2f} tok/s, probes {before:5.1f} / {after:5.1f} GB/s, roofline {roof:5.2f} tok/s: "
               f"{100 * tok_s / roof:5.1f}%", flush=True)
         before = after
-    child.stdin.write("stop\n")
-    child.stdin.close()
-    child.wait()
+    ours.close()
     shares = sorted(r["share"] for r in rows)
     print(f"{args.dtype}: median share {100 * statistics.median(shares):.1f}% "
           f"(range {100 * shares[0]:.1f}-{100 * shares[-1]:.1f}%), {len(rows)} blocks of {args.steps} steps")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python"] + sys.argv), "cpu": cpu_record(), "threads": os.environ.get("AB_THREADS", "2"),
+            "command": " ".join(["python"] + sys.argv), "cpu": cpu_record(), "threads": args.threads,
             "dtype": args.dtype, "median_share": statistics.median(shares), "rows": rows}, indent=1) + "\n")
 
 
