@@ -40,7 +40,9 @@ class Ours:
 
     def __init__(self, folder: Path, dtype: str, steps: int, engine: str, level: str, threads: int,
                  omp_wait_policy: str = "default"):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), **LEVEL_ENV.get(OUR_LEVEL[level] or "", {}))
+        # The child sets torch's thread count from AB_THREADS (default 2), over OMP_NUM_THREADS.
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), AB_THREADS=str(threads),
+                   **LEVEL_ENV.get(OUR_LEVEL[level] or "", {}))
         if omp_wait_policy != "default":
             env["OMP_WAIT_POLICY"] = omp_wait_policy
         self.steps = steps
