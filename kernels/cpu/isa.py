@@ -96,22 +96,6 @@ def cpu_flags() -> frozenset[str]:
     return flags_from_cpuinfo(_cpuinfo())
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_vendor() -> str:
-    """The CPU's vendor_id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" where it
-    cannot be read)."""
-    return vendor_from_cpuinfo(_cpuinfo())
-
-
-def mkl_gemv_is_tuned() -> bool:
-    """Whether MKL (torch's float32 BLAS on x86) runs its own tuned GEMV on this CPU. MKL picks
-    its code by vendor: on other vendors' CPUs its sgemv is the generic `mkl_blas_def_xsgemv`
-    (seen in perf on an AMD EPYC with AVX-512: a 768x192 product 25 us against the native
-    kernel's 13, a 3072x192 one 86 against 29), so small float32 weights are blocked there too
-    (kernels/cpu/projection.py)."""
-    return cpu_vendor() == "GenuineIntel"
-
-
 def _cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text()
@@ -131,11 +115,6 @@ def _first_field(text: str, name: str) -> str | None:
 def flags_from_cpuinfo(text: str) -> frozenset[str]:
     """The first processor's `flags` line of /proc/cpuinfo text."""
     return frozenset((_first_field(text, "flags") or "").split())
-
-
-def vendor_from_cpuinfo(text: str) -> str:
-    """The first processor's `vendor_id` of /proc/cpuinfo text ("" where there is none)."""
-    return (_first_field(text, "vendor_id") or "").strip()
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:

@@ -5,14 +5,19 @@ projection and know no layout.
 
 Layouts, by what the process's level allows (kernels/cpu/isa.py):
 
-- Plain: the weight as loaded. Small float32 weights stay plain where MKL's GEMV is tuned for
-  the CPU (`isa.mkl_gemv_is_tuned`: Intel's): a product of a few hundred KB is over in
-  microseconds, and the native kernel's call (dispatch, output allocation) costs a few more
-  than MKL's (the default model's 192-wide projections: batch-1 step 5.5 -> 5.9 ms when
-  blocked). On other vendors' CPUs MKL runs generic code, 2-3x slower than the native kernel
-  for these shapes, so every blockable float32 weight is blocked there (AMD EPYC, AVX-512, the
-  default model's batch-1 decode: 1.35x compiled, 1.43x eager). For 8-32 rows of x, MKL
-  computes float32 x W^T 1.1-1.6x slower than W x^T
+- Plain: the weight as loaded, where the native kernel cannot take it. Every blockable float32
+  weight is blocked, small ones too, on every vendor's CPU. On other vendors' CPUs MKL runs
+  generic code, 2-3x slower than the native kernel for small shapes (AMD EPYC, AVX-512, the
+  default model's batch-1 decode: 1.35x compiled, 1.43x eager). On Intel's, where MKL's GEMV is
+  tuned, small weights used to stay plain (a 1-row product of a few hundred KB is over in
+  microseconds, and the native call costs a few more than MKL's). Since the MLP runs in one
+  native call where both of its weights are blocked (`fused_swiglu`), blocking them too costs a
+  batch-1 step nothing and saves much at MTP verify's rows. There MKL leaves its GEMV path at 4
+  rows: at 5 rows, 768x192 18 vs 16 us, 192x384 15 vs 12, 320x192 14.5 vs 10. Measured on a
+  2-core Intel Xeon (AVX-512 + AMX), the default model in one process per variant, alternated:
+  k=0 decode steps 1.45-1.50 ms both ways, k=4 verify forwards 1.74-1.90 -> 1.53-1.62 ms (eager;
+  at the AVX2 level 1.77-1.85 -> 1.58), compiled k=0 steps 0.83-0.87 -> 0.78-0.81 ms.
+  For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
   (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
   ms over 24 layers, 2 threads), so `plain_linear` asks for the latter there and transposes the
   small result back; at 1-3 rows MKL's GEMV path is faster, from 64 rows on x W^T wins again.
@@ -53,10 +58,10 @@ import torch
 import torch.nn.functional as F
 
 from .blocked import BLOCK, block_weight, blocked_linear, blocked_rows, can_block
-from .isa import at_least, mkl_gemv_is_tuned, onednn_packs
+from .isa import at_least, onednn_packs
 
 TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
-BLOCKED_MIN_BYTES = 1 << 20         # smaller weights may stay plain (see the module docstring)
+BLOCKED_MIN_BYTES = 1 << 20         # smaller bf16 weights stay with oneDNN / torch
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
@@ -191,10 +196,9 @@ def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: 
     blocked bf16 copy beside a packed or plain weight."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.is_meta:
         return PlainProjection(weight)
-    small = weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES
     if weight.dtype == torch.float32:
-        blocked = can_block(weight, padded=True) and not (small and mkl_gemv_is_tuned())
-        return BlockedProjection(weight) if blocked else PlainProjection(weight)
+        return BlockedProjection(weight) if can_block(weight, padded=True) else PlainProjection(weight)
+    small = weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES
     blockable = can_block(weight, padded=True) and not small
     if not onednn_packs(weight.dtype):
         if not (blockable and weight.dtype == torch.bfloat16):
