@@ -5,7 +5,7 @@
 // vectors of W feed the FMAs of every row of x at once, so 4-32 rows cost little more than one
 // (MKL's GEMM at 4-16 rows streams at about half the rate of its GEMV). Software prefetch keeps
 // a few KB of each stream in flight: without it the 16-row case ran at 60% of this speed
-// (AVX2 at 1-2 rows goes without: group_product).
+// (AVX2 at 1-2 rows on AMD's cores goes without: group_product).
 //
 // One source for every level (simd.h): a 16-column block is 16 / simd::W vectors (one on
 // AVX-512, two on AVX2). Register tiles: MR rows of x (broadcast one at a time) times NR blocks
@@ -263,16 +263,22 @@ static typename T::X* pack_panels(const XIn* x, int M, int K, int steps, const S
 }
 
 // Every panel of x against one group of nb <= 4 blocks of W (wg: [nb][steps][64 bytes]).
-// The software prefetch is left out on AVX2 below PREFETCH_FROM_ROWS rows: there the loads
-// of 4 streams alone keep the memory busy, and the prefetches cost more than they win (Zen 3,
-// 0.8B, batch-1 decode interleaved with the prefetching kernel, 12 pairs: fp32 1.04x, bf16 1.03x;
-// from 3 rows a C model of the tile ran faster with them).
-// AVX-512 keeps them at every M: not measured there without.
+// The software prefetch is left out on AVX2 below PREFETCH_FROM_ROWS rows on AMD's cores: there
+// the loads of 4 streams alone keep the memory busy, and the prefetches cost more than they win
+// (Zen 3, 0.8B, batch-1 decode interleaved with the prefetching kernel, 12 pairs: fp32 1.04x,
+// bf16 1.03x; from 3 rows a C model of the tile ran faster with them). Intel's cores need them:
+// the AVX2 build on a Xeon (AVX-512 machine, level avx2), 0.8B batch-1 decode interleaved with
+// the kernel without them, 10 pairs: bf16 1.155x (1.12-1.17), fp32 1.035x; bf16 products alone
+// 24-26 -> 26-28 GB/s (a plain read loop: 30). AVX-512 keeps them at every M.
 constexpr int PREFETCH_FROM_ROWS = 3;
+static bool prefetch_every_row_count() {
+  static const bool yes = [] { __builtin_cpu_init(); return !__builtin_cpu_is("amd"); }();
+  return yes;
+}
 template <typename T>
 static void group_product(int nb, const typename T::X* xp, const typename T::W* wg, int steps,
                           typename T::Y* y, int M, int N, int n0) {
-  const bool prefetch = simd::W == 16 || M >= PREFETCH_FROM_ROWS;
+  const bool prefetch = simd::W == 16 || M >= PREFETCH_FROM_ROWS || prefetch_every_row_count();
   const int panels = (M + PANEL - 1) / PANEL;
   for (int p = 0; p < panels; p++) {
     const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
