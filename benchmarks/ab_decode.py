@@ -9,12 +9,14 @@ separate runs minutes apart cannot (issue 16's no-regression A/B).
 import json, os, statistics, subprocess, sys
 from pathlib import Path
 
-from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level
-
 a, b, folder, dtype, steps, pairs = sys.argv[1:7]
 rest = [x for x in sys.argv[7:] if not x.endswith(".json")]
 mode = "compiled" if "compiled" in rest else "eager"
-env = dict(os.environ, **dict(x.split("=", 1) for x in rest if "=" in x))
+# the children's environment, and this process's before it reads its level (recorded in the JSON)
+os.environ.update(dict(x.split("=", 1) for x in rest if "=" in x))
+env = dict(os.environ)
+
+from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level  # noqa: E402
 def start(tree):
     return subprocess.Popen([f"{tree}/.venv/bin/python", str(Path(__file__).resolve().parent / "ab_decode_child.py"), folder, dtype, steps, mode],
                             cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -36,7 +38,7 @@ ratios = [y / x for x, y in zip(ta, tb)]
 out = {"a": a, "b": b, "dtype": dtype, "mode": mode, "steps_per_block": int(steps), "env": rest,
        "a_tok_s": ta, "b_tok_s": tb, "median_a": statistics.median(ta), "median_b": statistics.median(tb),
        "ratio_b_over_a": ratios, "median_ratio": statistics.median(ratios), "load": os.getloadavg(),
-       "cpu_level": cpu_level(), "cpu_detected_level": detected_level()}   # the children's env is this one's
+       "cpu_level": cpu_level(), "cpu_detected_level": detected_level()}
 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if not isinstance(v, list)}))
 print("ratios", [round(r, 3) for r in sorted(ratios)])
 if len(sys.argv) > 7 and sys.argv[-1].endswith(".json"):
