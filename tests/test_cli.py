@@ -18,6 +18,7 @@ from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level
 
 from checkpoints import save_tokenizer
 from spec_models import make_spec_checkpoint
+from subprocess_signals import default_sigint
 
 ERROR_PREFIX = "hybrid-engine: error: "
 
@@ -89,7 +90,7 @@ def test_ctrl_c_during_start_up_is_a_clean_interrupt(models):
     (or the SIGINT status), no traceback, never a run that goes on as if nothing happened."""
     proc = subprocess.Popen(command("generate", "--model", models["spec"], "the model", "--max-tokens", "500",
                                     "--ignore-eos"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV)
+                            env=ENV, preexec_fn=default_sigint)
     maps = f"/proc/{proc.pid}/maps"
     while proc.poll() is None and "libtorch" not in open(maps).read():
         pass

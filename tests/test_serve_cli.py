@@ -12,13 +12,16 @@ import httpx
 
 from hybrid_engine.cli import main
 
+from subprocess_signals import default_sigint
+
 ERROR_PREFIX = "hybrid-engine: error: "
 
 
 def test_serve_starts_answers_and_stops_on_ctrl_c():
     cmd = [sys.executable, "-m", "hybrid_engine.cli", "serve", "--port", "0", "--max-num-seqs", "2",
            "--api-key", "k", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            preexec_fn=default_sigint)
     try:
         line = proc.stderr.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
