@@ -28,7 +28,7 @@ needs_onednn_bf16 = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason=
 
 @pytest.fixture
 def block_every_size(monkeypatch):
-    monkeypatch.setattr(projection_mod, "BLOCKED_MIN_BYTES", 0)   # (small weights stay plain by default)
+    monkeypatch.setattr(projection_mod, "BLOCKED_MIN_BYTES", 0)   # (small bf16 weights stay plain by default)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 32, 33, 64])

@@ -16,7 +16,7 @@ Layouts, by what the process's level allows (kernels/cpu/isa.py):
   rows: at 5 rows, 768x192 18 vs 16 us, 192x384 15 vs 12, 320x192 14.5 vs 10. Measured on a
   2-core Intel Xeon (AVX-512 + AMX), the default model in one process per variant, alternated:
   k=0 decode steps 1.45-1.50 ms both ways, k=4 verify forwards 1.74-1.90 -> 1.53-1.62 ms (eager;
-  at the AVX2 level 1.77-1.85 -> 1.58), compiled k=0 steps 0.83-0.87 -> 0.78-0.81 ms.
+  at the AVX2 level 1.77-1.85 -> 1.58); compiled k=0 steps unchanged (0.99x, interleaved).
   For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
   (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
   ms over 24 layers, 2 threads), so `plain_linear` asks for the latter there and transposes the
