@@ -5,7 +5,7 @@ timed block of the child's decode steps, PAIRS times. The host's read rate drift
 within minutes on a Zen 3 VM), so one probe for a whole table says little about a row taken a
 minute later.
 
-    python benchmarks/roofline_pairs.py CHECKPOINT DTYPE [--steps 16] [--pairs 8] [--threads N] [--json out.json]
+    python benchmarks/roofline_pairs.py CHECKPOINT DTYPE [--steps 16] [--pairs 8] [--threads N] [--engine compiled] [--json out.json]
 
 The roofline: bench_llamacpp.roofline (every weight once, the GDN states and the KV of the
 mean context per step) at the mean of the two probes around the block; CHECKPOINT must have
@@ -38,9 +38,10 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gib", type=float, default=1.0, help="probe tensor size")
+    ap.add_argument("--engine", choices=["ours", "compiled"], default="ours", help="eager or torch.compile'd steps")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ours = Ours(Path(args.checkpoint), args.dtype, args.steps, "ours", "native", args.threads)
+    ours = Ours(Path(args.checkpoint), args.dtype, args.steps, args.engine, "native", args.threads)
     rows, before = [], bandwidth_probe(args.gib, repeats=3)["gb_s"]
     for _ in range(args.pairs):
         tok_s = ours.block()
@@ -59,7 +60,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python"] + sys.argv), "cpu": cpu_record(), "threads": args.threads,
-            "dtype": args.dtype, "median_share": statistics.median(shares), "rows": rows}, indent=1) + "\n")
+            "engine": args.engine, "dtype": args.dtype, "median_share": statistics.median(shares), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
