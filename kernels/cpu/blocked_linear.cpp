@@ -49,6 +49,8 @@ constexpr int VB = 16 / simd::W;              // vectors per 16-column block
 // 5 rows, 2 threads, 3 rounds of processes interleaved: 0.53-0.73x the time in 10 of the 12,
 // 1.02-1.15x in 2).
 constexpr int PANEL = simd::W == 16 ? 8 : 6;
+// rows of x in panel p of M rows (the last may hold fewer)
+static inline int panel_rows(int M, int p) { return M - p * PANEL < PANEL ? M - p * PANEL : PANEL; }
 
 // The float32 and bfloat16 forms of one k step, on one 64-byte run of W per block: float32
 // holds 16 columns at one k, bfloat16 16 columns at two k. `WV` is one vector of W as the FMAs
@@ -248,7 +250,7 @@ template <typename T, typename XIn>
 static void pack_panels_into(const XIn* x, int M, int K, int steps, typename T::X* xp) {
   const int panels = (M + PANEL - 1) / PANEL;
   for (int p = 0; p < panels; p++) {
-    const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
+    const int rows = panel_rows(M, p);
     for (int k = 0; k < steps; k++)
       for (int r = 0; r < rows; r++)
         xp[((size_t)p * steps + k) * PANEL + r] = T::pack_x(x + (size_t)(p * PANEL + r) * K, K, k);
@@ -281,7 +283,7 @@ static void group_product(int nb, const typename T::X* xp, const typename T::W* 
   const bool prefetch = simd::W == 16 || M >= PREFETCH_FROM_ROWS || prefetch_every_row_count();
   const int panels = (M + PANEL - 1) / PANEL;
   for (int p = 0; p < panels; p++) {
-    const int rows = M - p * PANEL < PANEL ? M - p * PANEL : PANEL;
+    const int rows = panel_rows(M, p);
     const typename T::X* xs = xp + (size_t)p * steps * PANEL;
     typename T::Y* ys = y + (size_t)p * PANEL * N;
     if (nb == 4) tile_rows<4, T>(rows, xs, wg, steps, ys, N, n0, prefetch);
