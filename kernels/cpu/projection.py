@@ -5,9 +5,10 @@ projection and know no layout.
 
 Layouts, by what the process's level allows (kernels/cpu/isa.py):
 
-- Plain: the weight as loaded, where the native kernel cannot take it. Every blockable float32
-  weight is blocked, small ones too, on every vendor's CPU. On other vendors' CPUs MKL runs
-  generic code, 2-3x slower than the native kernel for small shapes (AMD EPYC, AVX-512, the
+- Plain: the weight as loaded: float32 weights the native kernel cannot take and, where oneDNN
+  does not pack them, bf16 weights under BLOCKED_MIN_BYTES and float16 ones. Every blockable
+  float32 weight is blocked, small ones too, on every vendor's CPU. On other vendors' CPUs MKL
+  runs generic code, 2-3x slower than the native kernel for small shapes (AMD EPYC, AVX-512, the
   default model's batch-1 decode: 1.35x compiled, 1.43x eager). On Intel's, where MKL's GEMV is
   tuned, small weights used to stay plain (a 1-row product of a few hundred KB is over in
   microseconds, and the native call costs a few more than MKL's). Since the MLP runs in one
