@@ -84,7 +84,7 @@ class DraftPasses:
         no_rows = last[:0]              # the MTP layer is attention only: no GDN state, no logits rows
         no_initial, no_writes = no_rows.bool(), no_rows.view(0, 1)
         batches = []
-        for j, (pos, slot, lens) in enumerate(zip(positions.unbind(0), slots.unbind(0), seq_lens.unbind(0))):
+        for pos, slot, lens, rope in zip(positions.unbind(0), slots.unbind(0), seq_lens.unbind(0), zip(cos, sin)):
             keys = None if self.keyless else paged_keys(tables, lens, 1, bs)
             batch = ForwardBatch(
                 positions=pos, cu_seqlens=cu_seqlens, seq_lens=lens, slot_mapping=slot, block_tables=tables,
@@ -92,7 +92,7 @@ class DraftPasses:
                 logits_indices=no_rows, num_prefills=d, num_prefill_tokens=d, decode_len=1, kernels=kernels,
                 attention=AttentionLayout(keys, (), slots_valid=True, query_len=1),
                 decode_rows=None, chunks=None)
-            batches.append((batch, (cos[j], sin[j])))
+            batches.append((batch, rope))
         return batches
 
 
