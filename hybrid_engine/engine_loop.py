@@ -45,6 +45,10 @@ Delivery = RequestOutput | BaseException
 Consumer = Callable[[Delivery], None]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop cannot go on (vLLM's name): every pending and later call raises it at once."""
+
+
 class EngineLoop:
     """One background thread owns the LLMEngine and is the only caller of engine.step() and
     of every engine method that changes state; callers on any thread (or an asyncio loop)
@@ -69,6 +73,11 @@ class EngineLoop:
     @property
     def engine(self) -> LLMEngine:
         return self._engine
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the loop thread has ended for any reason but shutdown()."""
+        return not self._thread.is_alive() and not self._closed
 
     # ---- callers' side (any thread) ------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
