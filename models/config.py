@@ -14,6 +14,12 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "linear_num_value_heads")
+_MOE_SIZES = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+REQUIRED_KEYS = {"qwen3_5": _SIZES + ("intermediate_size",), "qwen3_5_moe": _SIZES + _MOE_SIZES,
+                 "qwen3_next": _SIZES + ("intermediate_size",) + _MOE_SIZES}
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
@@ -58,7 +64,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
-    mtp_num_hidden_layers: int = 0
+    # None: config.json does not say (the head is whatever mtp.* weights the checkpoint holds);
+    # 0: no MTP head, whatever the weights; 1: one MTP layer, the only depth the engine runs.
+    mtp_num_hidden_layers: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     is_vlm_wrapper: bool = False
@@ -135,25 +143,22 @@ def parse_config(raw: dict) -> ModelConfig:
             raise ConfigError(f"model_type {model_type!r} needs a 'text_config' object")
     family = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
               "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}[model_type]
-    defaults = {
-        "qwen3_5": dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                        num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
-        "qwen3_5_moe": dict(vocab_size=248320, hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
-                            num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
-                            moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                            num_experts_per_tok=8, num_experts=256),
-        "qwen3_next": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
-                           num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
-                           moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                           num_experts_per_tok=10, num_experts=512),
-    }[family]
+    # The sizes transformers' config classes default to one particular model (a 9B-style
+    # Qwen3.5, QWEN35_REFERENCE.md §1): a config.json without one describes some other model,
+    # and taking the default would only fail later, blaming a tensor's shape. transformers'
+    # save_pretrained writes every one of them, default or not.
+    required = REQUIRED_KEYS[family]
+    missing = [key for key in required if key not in text and key not in raw]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing; "
+                          "the model's sizes have no default")
 
     def get(key, default=None):
         if key in text:
             return text[key]
         if key in raw:  # some VLM wrappers keep keys (e.g. tie_word_embeddings) at the top level
             return raw[key]
-        return defaults.get(key, default)
+        return default
 
     def count(key, default=None, minimum=1) -> int:
         value = get(key, default)
@@ -224,7 +229,7 @@ def parse_config(raw: dict) -> ModelConfig:
         tie_word_embeddings=tie,
         # A request holds its prompt and at least one generated token.
         max_position_embeddings=count("max_position_embeddings", 32768, minimum=2),
-        mtp_num_hidden_layers=count("mtp_num_hidden_layers", 0, minimum=0),
+        mtp_num_hidden_layers=_mtp_layers(get("mtp_num_hidden_layers")),
         eos_token_id=eos,
         torch_dtype=torch_dtype,
         is_vlm_wrapper=is_vlm,
@@ -267,6 +272,16 @@ def _check_weight_sizes(cfg: ModelConfig) -> None:
         if rows * cols > MAX_WEIGHT_ELEMENTS:
             raise ConfigError(f"{name} would be a {rows} x {cols} weight, more than {MAX_WEIGHT_ELEMENTS} elements: "
                               "the config's sizes are broken")
+
+
+def _mtp_layers(value) -> int | None:
+    if value is None:
+        return None
+    layers = _int("mtp_num_hidden_layers", value, 0)
+    if layers > 1:
+        raise ConfigError(f"mtp_num_hidden_layers {layers} is not supported: the engine runs an MTP head of "
+                          "one layer (set 1, or 0 for no MTP head)")
+    return layers
 
 
 def _mlp_only_layers(value, n_layers: int) -> list[int]:

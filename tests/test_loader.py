@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -311,6 +312,65 @@ def test_sizes_no_weight_could_have_are_a_config_error(broken, edits, weight):
     cfg.update(edits)
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=f"{weight} .* would be a .* weight, more than 1099511627776 elements"):
+        load_config(folder)
+
+
+def edit_config(folder, vlm: bool = False, drop: tuple[str, ...] = (), **values) -> None:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    text = cfg["text_config"] if vlm else cfg
+    for key in drop:
+        del text[key]
+    text.update(values)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size"])
+def test_a_missing_size_is_named_with_its_file(broken, key):
+    """Issue 37: without hidden_size the config took transformers' 4096 and the loader then
+    blamed the embedding's shape."""
+    folder, _ = broken
+    edit_config(folder, drop=(key,))
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(folder / 'config.json'))}: {key} is missing; "
+                                          "the model's sizes have no default$"):
+        load_config(folder)
+
+
+def test_missing_sizes_of_a_vlm_and_a_moe_text_config(models, tmp_path):
+    vlm = save_checkpoint(models["qwen3_5"], tmp_path / "vlm", vlm_wrapper=True)
+    edit_config(vlm, vlm=True, drop=("num_hidden_layers", "intermediate_size"))
+    with pytest.raises(ConfigError, match="config.json: num_hidden_layers, intermediate_size are missing"):
+        load_config(vlm)
+    moe = save_checkpoint(models["qwen3_5_moe"], tmp_path / "moe")
+    edit_config(moe, drop=("num_experts",))
+    with pytest.raises(ConfigError, match="config.json: num_experts is missing"):
+        load_config(moe)
+
+
+def test_mtp_num_hidden_layers_zero_means_no_mtp_head(models, tmp_path):
+    """Issue 37: 0 was ignored and the checkpoint's mtp.* weights drafted anyway."""
+    from hybrid_engine.models.load import load_model
+
+    folder = save_checkpoint(models["qwen3_5"], tmp_path / "ckpt", add_mtp=True)
+    assert load_model(folder, "float32", with_mtp=True)[0].mtp is not None
+    edit_config(folder, mtp_num_hidden_layers=0)
+    assert load_config(folder).mtp_num_hidden_layers == 0
+    with pytest.raises(ConfigError, match="sets mtp_num_hidden_layers 0: the model has no MTP head"):
+        load_model(folder, "float32", with_mtp=True)
+    model, _ = load_model(folder, "float32")      # the mtp.* tensors are left unread, not unexpected
+    assert model.mtp is None and not any(n.startswith("mtp.") for n in model.state_dict())
+
+
+def test_mtp_num_hidden_layers_unsaid_takes_the_weights_and_above_one_is_refused(models, tmp_path):
+    from hybrid_engine.models.load import load_model
+
+    folder = save_checkpoint(models["qwen3_5"], tmp_path / "ckpt", add_mtp=True)
+    edit_config(folder, drop=("mtp_num_hidden_layers",))
+    assert load_config(folder).mtp_num_hidden_layers is None
+    assert load_model(folder, "float32", with_mtp=True)[0].mtp is not None
+    edit_config(folder, mtp_num_hidden_layers=2)
+    with pytest.raises(ConfigError, match="mtp_num_hidden_layers 2 is not supported: the engine runs an MTP "
+                                          "head of one layer"):
         load_config(folder)
 
 
