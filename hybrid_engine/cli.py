@@ -276,6 +276,21 @@ def dtype_name(engine) -> str:
     return str(engine.model.embed_tokens.weight.dtype).removeprefix("torch.")
 
 
+def check_output_path(flag: str, path: str | None, stdout_ok: bool = False) -> None:
+    """Before anything runs: an output file that cannot be written would lose the whole run
+    (a benchmark, a snapshot), and the OSError at the end would not name the flag."""
+    if path is None or (stdout_ok and path == "-"):
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise CLIError(f"{flag} {path} is a folder; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise CLIError(f"{flag} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CLIError(f"{flag} {path}: not writable")
+
+
 def write_json(path: str, data) -> None:
     text = json.dumps(data, indent=2)
     if path == "-":

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import (CLIError, add_engine_arguments, add_sampling_arguments, build_engine, console, dtype_name,
-                  encode_prompts, read_prompt_file, sampling_params, write_json)
+from .cli import (CLIError, add_engine_arguments, add_sampling_arguments, build_engine, check_output_path, console,
+                  dtype_name, encode_prompts, read_prompt_file, sampling_params, write_json)
 
 if TYPE_CHECKING:
     from hybrid_engine.spec_decode.stats import SpecStats
@@ -79,6 +79,8 @@ def run(args) -> int:
     for flag, value in (("--repeats", args.repeats), ("--batch-size", args.batch_size)):
         if value < 1:
             raise CLIError(f"{flag} must be >= 1, got {value}")
+    check_output_path("--json", args.json, stdout_ok=True)
+    check_output_path("--plot", args.plot)
     params = sampling_params(args, ignore_eos=True)
     raw = read_prompt_file(args.prompts)[0] if args.prompts else BUILTIN_PROMPTS
     ks = list(range(args.max_k + 1))

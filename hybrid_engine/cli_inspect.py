@@ -9,12 +9,11 @@ which compares two snapshots.
 from __future__ import annotations
 
 import math
-import os
 import sys
-from pathlib import Path
 
 from .cli import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
-                  console, dtype_name, encode_prompts, read_prompts, sampling_params, write_json)
+                  check_output_path, console, dtype_name, encode_prompts, read_prompts, sampling_params,
+                  write_json)
 from .cli_inspect_prefix import prefix_report, verify_prefix
 
 NAME = "inspect"
@@ -72,6 +71,8 @@ def run(args) -> int:
         raise CLIError(f"--atol must be >= 0, got {args.atol}")
     if args.step is not None and args.step < 1:
         raise CLIError(f"--step must be >= 1, got {args.step}")
+    check_output_path("--json", args.json, stdout_ok=True)
+    check_output_path("--snapshot", args.snapshot)
     if args.verify_prefix:
         return verify_prefix(args, lambda llm: encode_prompts(
             llm, read_prompts(args, stdin_fallback=False)[0] or _default_prompts(llm)))
@@ -136,8 +137,6 @@ def _start(args, k: int, dtype: str | None = None):
 
 def _inspect(args) -> int:
     params = sampling_params(args)
-    if args.snapshot:
-        _check_snapshot_path(args.snapshot)
     llm, prompts = _start(args, args.speculative_tokens)
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -308,18 +307,6 @@ def _snapshot_entry(req) -> dict:
             "prompt_tokens": len(req.prompt_token_ids), "output_tokens": len(req.output_token_ids)}
 
 
-def _check_snapshot_path(path: str) -> None:
-    """Before any step runs: a snapshot that cannot be written would lose the whole run."""
-    target = Path(path)
-    if target.is_dir():
-        raise CLIError(f"--snapshot {path} is a folder; give a file name")
-    folder = target.parent
-    if not folder.is_dir():
-        raise CLIError(f"--snapshot {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise CLIError(f"--snapshot {path}: folder {folder} is not writable")
-
-
 def _save_snapshot(path: str, engine, snapshot, step: int) -> None:
     from hybrid_engine.state_cache.snapshot import Snapshot, save_snapshot
 
@@ -474,6 +461,7 @@ def run_diff(args) -> int:
 
     if args.atol < 0 or args.rtol < 0:
         raise CLIError(f"--atol and --rtol must be >= 0, got {args.atol} and {args.rtol}")
+    check_output_path("--json", args.json, stdout_ok=True)
     a, b = load_snapshot(args.a), load_snapshot(args.b)
     d = diff_snapshots(a, b, atol=args.atol, rtol=args.rtol)
     if args.json:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import CLIError, build_llm, console, write_json
+from .cli import CLIError, build_llm, console, sampling_params, write_json
 
 
 def prefix_report(engine) -> dict | None:
@@ -30,6 +30,9 @@ def verify_prefix(args, prompts_of) -> int:
     from . import SamplingParams
 
     k = args.speculative_tokens
+    # --max-tokens and the other sampling flags, checked (and their defaults filled in) before
+    # any model loads; the first turn is greedy past EOS so that both engines see the same history.
+    first = sampling_params(args, temperature=0.0, ignore_eos=True)
     runs = {}
     for on in (False, True):
         llm = build_llm(argparse.Namespace(**{**vars(args), "enable_prefix_caching": on}), k, dtype=args.dtype or "float32")
@@ -37,7 +40,6 @@ def verify_prefix(args, prompts_of) -> int:
         if len(prompts) < 2:
             prompts = [prompts[0], prompts[0][-4:]]
         engine = llm.engine
-        first = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         engine.add_request(prompts[0], first, request_id="turn-1")
         output = []
         while engine.has_unfinished_requests():

@@ -6,10 +6,12 @@ weights without mtp.* and without a tokenizer ("plain": token-id prompts, no spe
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -183,6 +185,18 @@ def test_inspect_verify_rewind_passes(models):
     assert max(report["max_abs_delta"].values()) <= 1e-5
 
 
+def test_inspect_verify_prefix_as_the_readme_writes_it():
+    """Issue 37: the README's command failed with "max_tokens must be an int >= 1, got None"."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "`hybrid-engine inspect --verify-prefix`" in readme
+    r = ok(cli("inspect", "--verify-prefix"))
+    prompt, cached = map(int, re.search(r"turn 2: (\d+) prompt tokens, (\d+) from the prefix cache", r.stdout).groups())
+    assert cached > 0 and r.stdout.strip().endswith("OK")
+    # turn 2 holds turn 1's output: 16 tokens by default (inspect's --max-tokens default), here 5
+    report = json.loads(ok(cli("inspect", "--verify-prefix", "--max-tokens", "5", "--json", "-")).stdout)
+    assert report["ok"] and report["prompt_tokens"] == prompt - 16 + 5
+
+
 # ---- errors: one line on stderr, exit code 2 -------------------------------------------------
 
 def test_command_line_errors_are_one_line_and_exit_2(models):
@@ -216,6 +230,17 @@ def test_command_line_errors_are_one_line_and_exit_2(models):
         "bad config value": (["generate", "--model", bad_config, "1 2"], "num_key_value_heads must be an int >= 1"),
         "no CUDA or bad device": (["generate", "--model", models["plain"], "1 2", "--device", "tpu9"],
                                   "not a torch device"),
+        # Issue 37: a bench wrote its --json only after the whole run, and the OSError named no flag.
+        "bench --json folder missing": (["bench", "--model", models["spec"], "--max-k", "1", "--repeats", "1",
+                                         "--max-tokens", "2", "--json", root / "missing" / "b.json"],
+                                        f"--json {root / 'missing' / 'b.json'}: folder {root / 'missing'} does not exist"),
+        "bench --plot is a folder": (["bench", "--model", models["spec"], "--max-k", "1", "--repeats", "1",
+                                      "--max-tokens", "2", "--plot", root], f"--plot {root} is a folder"),
+        "inspect --json folder missing": (["inspect", "--model", models["spec"], "--verify-prefix", "--json",
+                                           root / "missing" / "p.json"], "--json"),
+        "inspect diff --json folder missing": (["inspect", "diff", root / "not_a_snapshot.safetensors",
+                                                root / "not_a_snapshot.safetensors", "--json",
+                                                root / "missing" / "d.json"], "--json"),
     }
     # Independent processes: run them together.
     procs = {name: subprocess.Popen(command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
