@@ -12,12 +12,20 @@ import numbers
 from dataclasses import dataclass
 from typing import NoReturn
 
+from .stop_strings import StopStrings
+
 # Below this temperature the row is treated as greedy, as in vLLM (_SAMPLING_EPS): dividing
 # logits by a tiny positive temperature overflows float32 and gains nothing over argmax.
 GREEDY_TEMPERATURE = 1e-5
 
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+# OpenAI's API takes 4 stop strings and vLLM sets no limit. 256 lets real lists through (stop
+# words, code fences, a language's keywords) and bounds what one request can ask at admission:
+# validating them and building their automaton (hybrid_engine/stop_strings.py) once. After that
+# their number no longer matters: a token's stop check reads its new text through the automaton.
+MAX_STOP_STRINGS = 256
 
 
 @dataclass
@@ -45,7 +53,18 @@ class SamplingParams:
         # constructor, so that `params.stop = "\n"` means what it does in SamplingParams(stop="\n").
         if name in ("stop", "stop_token_ids"):
             value = _as_list(value)
+        if name == "stop":
+            self.__dict__.pop("_stop_strings", None)
         super().__setattr__(name, value)
+
+    @property
+    def stop_strings(self) -> StopStrings:
+        """`stop` as one automaton (the engine checks every token's text with it), built by
+        validate() or at first use and kept; assigning `stop` drops it."""
+        matcher = self.__dict__.get("_stop_strings")
+        if matcher is None:
+            matcher = self.__dict__["_stop_strings"] = StopStrings(self.stop)
+        return matcher
 
     def child_seed(self, index: int) -> int | None:
         """The seed of sample `index` of n: vLLM's seed + index, so the n samples differ and each
@@ -87,8 +106,14 @@ class SamplingParams:
             _fail("n", self.n, "an int >= 1")
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             _fail("seed", self.seed, "None or an int in [-2**63, 2**64)")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "None, a non-empty str or a list of non-empty str")
+        if self.__dict__.get("_stop_strings") is None or self._stop_strings.stops != self.stop:
+            # Built here, at admission, on the caller's thread rather than the engine loop's;
+            # rebuilt when the list was edited in place since.
+            self.__dict__["_stop_strings"] = StopStrings(self.stop)
         if not isinstance(self.stop_token_ids, list) or not all(
             _is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids
         ):

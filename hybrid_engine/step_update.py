@@ -125,13 +125,14 @@ class StepUpdater:
 
 
 def _cut_at_stop_string(req: Request, new_text: int) -> None:
-    """Finds the first stop string that ends in the last `new_text` characters."""
-    longest = max(len(s) for s in req.params.stop)
-    search_from = max(0, len(req.text) - new_text - longest + 1)
-    hits = [(i, s) for s in req.params.stop if (i := req.text.find(s, search_from)) >= 0]
-    if not hits:
+    """Finds the first stop string that ends in the last `new_text` characters, at a cost that
+    does not grow with the number of stop strings (hybrid_engine/stop_strings.py)."""
+    stops = req.params.stop_strings
+    search_from = max(0, len(req.text) - new_text - stops.longest + 1)
+    hit = stops.first_match(req.text, search_from)
+    if hit is None:
         return
-    i, s = min(hits)
+    i, s = hit
     req.text = req.text[:i + len(s) if req.params.include_stop_str_in_output else i]
     req.finish_reason, req.stop_reason = "stop", s
 
@@ -143,23 +144,12 @@ def take_text_delta(req: Request) -> str:
     always join to its final text."""
     end = len(req.text)
     if req.finish_reason is None and req.params.stop:
-        end -= _stop_string_prefix_at_end(req.text, req.params.stop)
+        end -= req.params.stop_strings.held_back(req.text)
     if end <= req.streamed_len:
         return ""
     delta = req.text[req.streamed_len:end]
     req.streamed_len = end
     return delta
-
-
-def _stop_string_prefix_at_end(text: str, stops: list[str]) -> int:
-    """The longest m such that text ends with stop[:m] for some stop, m < len(stop)."""
-    longest = 0
-    for stop in stops:
-        for m in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:m]):
-                longest = m
-                break
-    return longest
 
 
 def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOutput:

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.sampling_params import MAX_STOP_STRINGS
 
 from engine_checks import assert_no_leak
 
@@ -56,6 +57,29 @@ def test_joined_deltas_equal_the_final_text_for_stop_strings_cut_from_the_output
     assert last.finish_reason == "stop" and last.stop_reason in stops       # cut from the output: it must hit
     i = full.find(last.stop_reason)
     assert last.text == full[:i + len(last.stop_reason) if include else i]
+    assert_no_leak(llm.engine)
+
+
+def test_the_most_stop_strings_allowed_stop_and_stream_as_one_does(llm, greedy):
+    """Issue 37's cap: MAX_STOP_STRINGS stops, all but one absent from the output and most of
+    them sharing the present one's start (so their prefixes are held back while streaming)."""
+    full = greedy.text
+    real = full[20:24]
+    decoys = [real[:i % len(real)] + f"\x01{i}" for i in range(MAX_STOP_STRINGS - 1)]
+    assert not any(d in full for d in decoys) and len(set(decoys)) == len(decoys)
+    for include in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop=decoys + [real],
+                                include_stop_str_in_output=include)
+        text, last = streamed(llm, PROMPT, params)
+        i = full.find(real)
+        assert last.finish_reason == "stop" and last.stop_reason == real
+        assert text == last.text == full[:i + len(real) if include else i]
+    assert_no_leak(llm.engine)
+
+
+def test_more_stop_strings_than_allowed_are_refused(llm):
+    with pytest.raises(ValueError, match=f"stop must hold at most {MAX_STOP_STRINGS} strings, got 10000"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, stop=[f"<{i}>" for i in range(10_000)]), use_tqdm=False)
     assert_no_leak(llm.engine)
 
 
