@@ -1,6 +1,8 @@
 """hybrid_engine/stop_strings.py against the plain scans it replaced (one str.find / endswith per
 stop string, kept here as the reference), and SamplingParams' cap on the number of stops."""
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -87,3 +89,5 @@ def test_the_automaton_follows_the_stop_list():
     assert p.stop_strings.stops == ["a", "b"]
     p.stop = "c"
     assert p.stop_strings.stops == ["c"]
+    copied = copy.deepcopy(p)               # immutable once built: copies share it
+    assert copied.stop_strings is p.stop_strings and copied.stop == p.stop and copied.stop is not p.stop
