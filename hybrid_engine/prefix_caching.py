@@ -3,7 +3,10 @@ checkpoints are taken, and the counters (the memory itself is state_cache's).
 
 A request can resume only at a length L where an earlier request left a checkpoint, so where
 checkpoints are taken decides the hit rate (docs: ARCHITECTURE.md section 9). They are taken
-- at the end of each prefill, at its last block boundary;
+- at the end of each prefill, at its last block boundary, where a longer prompt that starts
+  with this one resumes, and at the last block boundary before its last token, where an exact
+  repeat resumes (a hit must leave one token to compute for its logits; the two differ only
+  for a block-aligned prompt);
 - at branch points: the block-aligned common prefix of a prefilling request with any other
   queued or running request, or with the cached blocks (a shared system prompt followed by
   different user messages: the second such request, arriving alone, finds the first one's
@@ -174,7 +177,7 @@ class PrefixCaching:
         last = req.num_tokens // bs * bs
         if last <= start:
             return []
-        wanted = {last}
+        wanted = {last, (req.num_tokens - 1) // bs * bs}
         if self.checkpoint_interval:
             wanted.update(range(self.checkpoint_interval, last, self.checkpoint_interval))
         cached = self.cache.num_cached_prefix_blocks(hashes)

@@ -18,7 +18,8 @@ about to checkpoint waits for it (in order, as any other request that does not f
 The n samples of one prompt (hybrid_engine/request_group.py): sample 0 prefills all but the
 last prompt token; at the start of the next schedule its cache is forked to each sibling
 that fits now (a running slot, and memory for its next step), and a sibling that does not
-waits at the front of the queue and prefills on its own.
+waits at the front of the queue and prefills on its own. When the prefix cache already holds
+all that sample 0 would prefill, nothing is forked: every sample starts from the hit.
 
 A running request's KV reservation only grows: blocks past its committed length (rejected
 drafts, the drafter's lookahead) stay with it for the next step (state_cache/hybrid_cache.py).
@@ -108,6 +109,8 @@ class Scheduler:
                 hit = self.prefix.match(req)
                 if self.prefix.should_wait(req, hit, self.running):
                     break
+                if req.forks and hit is not None and _prefill_need(req, hit.num_tokens) == 0:
+                    self._release_forks(req)
             start = hit.num_tokens if hit is not None else 0
             n = min(_prefill_need(req, start), budget)
             total = self._tokens_to_hold(req, start, n)
@@ -140,11 +143,20 @@ class Scheduler:
                         and self.cache.can_fork(parent.request_id, self.num_draft_slots, total)):
                     self.cache.fork(parent.request_id, sibling.request_id, self.num_draft_slots)
                     sibling.num_computed_tokens = parent.num_computed_tokens
+                    sibling.num_cached_tokens = parent.num_cached_tokens     # of the prompt it shares
                     sibling.status = RequestStatus.RUNNING
                     self.running.append(sibling)
                 else:
                     left.append(sibling)
             self.waiting.extendleft(reversed(left))
+
+    def _release_forks(self, req: Request) -> None:
+        """The cache holds all of the prompt prefix `req` would prefill for its waiting siblings:
+        each sample starts from that hit itself, as any request does, queued right behind it
+        (a fork would copy what the cache shares, and `req` would have nothing to compute)."""
+        siblings, req.forks = req.forks, []
+        for i, sibling in enumerate(siblings, start=1):
+            self.waiting.insert(i, sibling)
 
     def _tokens_to_hold(self, req: Request, start: int, n: int) -> int:
         samples = start + n >= req.num_tokens

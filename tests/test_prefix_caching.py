@@ -116,6 +116,59 @@ def test_a_shared_100_token_prefix_hits_96_tokens(ckpts):
         assert_no_leak(llm.engine)
 
 
+def prompt_tokens_per_call(llm):
+    """Wraps the engine's scheduler; the returned `take()` says how many prompt positions were
+    scheduled since the last take (a sample's last prompt token may run as a decode)."""
+    engine, counted = llm.engine, [0]
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        batch = schedule()
+        for req, n in [*batch.prefills, *((r, 1) for r in batch.decodes)]:
+            counted[0] += max(min(n, len(req.prompt_token_ids) - req.num_computed_tokens), 0)
+        return batch
+
+    def take():
+        n, counted[0] = counted[0], 0
+        return n
+
+    engine.scheduler.schedule = counting_schedule
+    return take
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_repeated_prompt_resumes_one_token_before_its_end_whatever_n(ckpts, k):
+    """An exact repeat resumes at the last block boundary before its last token. For 16j + 1
+    tokens that is all that sample 0 of n = 2 prefills, so each sample starts from the hit (the
+    second call used to fail its step); a block-aligned prompt is served by the checkpoint one
+    block before its end (it used to get none). A longer prompt still resumes at the aligned
+    prompt's end. Outputs equal those without prefix caching."""
+    rng = random.Random(8)
+    lengths = (17, 33, 97, 32, 256)
+    prompts = {(n, length): [rng.randrange(256) for _ in range(length)] for n in (1, 2) for length in lengths}
+    longer = prompts[1, 256] + [rng.randrange(256) for _ in range(5)]
+    runs = {}
+    for on in (False, True):
+        llm = LLM(model=ckpts["qwen3_5"], dtype="float32", speculative_config=spec(k), enable_prefix_caching=on)
+        computed = prompt_tokens_per_call(llm)
+        for (n, length), p in prompts.items():
+            params = SamplingParams(n=n, temperature=0.8, seed=9, max_tokens=4, ignore_eos=True)
+            for call in range(2):
+                out = llm.generate(p, params, use_tqdm=False)[0]
+                runs[on, n, length, call] = ([c.token_ids for c in out.outputs], out.num_cached_tokens, computed())
+        out = llm.generate(longer, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        runs[on, "longer"] = (out.token_ids, out.num_cached_tokens, computed())
+        assert_no_leak(llm.engine)
+    assert runs[True, "longer"][:2] == (runs[False, "longer"][0], 256)
+    for n, length in prompts:
+        hit = (length - 1) // 16 * 16
+        # Sample 0 prefills what the cache lacks of all but the last token; each sample computes that one.
+        repeat = length - hit if n == 1 else length - 1 - hit + n
+        first, again = runs[True, n, length, 0], runs[True, n, length, 1]
+        assert first[0] == again[0] == runs[False, n, length, 0][0], (n, length)
+        assert first[1:] == (0, length + n - 1) and again[1:] == (hit, repeat), (n, length, first[1:], again[1:])
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_multi_turn_chat_hits_the_history_every_turn(ckpts, k):
     rng = random.Random(3)
