@@ -1,5 +1,6 @@
-"""benchmarks/ab_decode.py's child, one side of an interleaved A/B: loads an engine from the tree it runs in, then on each 'go'
-line from stdin runs N decode steps at batch 1 and prints the seconds they took."""
+"""One side of an interleaved A/B, the child of benchmarks/pair_llamacpp.py, roofline_pairs.py and
+probes/ab_decode.py: loads an engine from the tree it runs in (the working directory), then on
+each 'go' line from stdin runs N decode steps at batch 1 and prints the seconds they took."""
 import sys, time, os
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch

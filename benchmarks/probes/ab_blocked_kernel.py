@@ -7,7 +7,7 @@ second apart. Separate processes minutes apart cannot settle a few percent on a 
 speed swings by 10-30% (one round of per-process microbenchmarks read the same code 1.5x
 slower than the next).
 
-    python benchmarks/ab_blocked_kernel.py OTHER_TREE [--k 4] [--rounds 10] [--out out.json]
+    python benchmarks/probes/ab_blocked_kernel.py OTHER_TREE [--k 4] [--rounds 10] [--out out.json]
 
 First a check that the switch takes: the lm_head shape at 5 rows timed with each build. Then
 the greedy tokens of both builds at both k are checked equal, and the pairs are timed.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 
 from bench_llamacpp import cpu_record  # noqa: E402
 

@@ -4,11 +4,16 @@ and this one): both engines loaded at once, each in its own process, tree and ve
 pairs, the ratio B/A per pair. On a shared, drifting machine this settles a few percent where
 separate runs minutes apart cannot (issue 16's no-regression A/B).
 
-    python benchmarks/ab_decode.py TREE_A TREE_B CHECKPOINT DTYPE STEPS PAIRS [compiled] [ENV=V ...] [OUT.json]
+    python benchmarks/probes/ab_decode.py TREE_A TREE_B CHECKPOINT DTYPE STEPS PAIRS [compiled] [ENV=V ...] [OUT.json]
 """
 import json, os, statistics, subprocess, sys
 from pathlib import Path
 
+if sys.argv[1:2] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
+if len(sys.argv) < 7:
+    sys.exit(__doc__)
 a, b, folder, dtype, steps, pairs = sys.argv[1:7]
 rest = [x for x in sys.argv[7:] if not x.endswith(".json")]
 mode = "compiled" if "compiled" in rest else "eager"
@@ -18,7 +23,7 @@ env = dict(os.environ)
 
 from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level  # noqa: E402
 def start(tree):
-    return subprocess.Popen([f"{tree}/.venv/bin/python", str(Path(__file__).resolve().parent / "ab_decode_child.py"), folder, dtype, steps, mode],
+    return subprocess.Popen([f"{tree}/.venv/bin/python", str(Path(__file__).resolve().parents[1] / "ab_decode_child.py"), folder, dtype, steps, mode],
                             cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 procs = [start(a), start(b)]
 for p in procs:

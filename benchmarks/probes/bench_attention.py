@@ -2,9 +2,9 @@
 out of the blocks into a new tensor, then sdpa) against the native kernel that reads them in
 place (kernels/cpu/paged_attention.cpp), in the same process on the same cache.
 
-    python benchmarks/bench_attention.py                       # contexts 512/2048/8192, batch 1/16
-    python benchmarks/bench_attention.py --dtypes bfloat16 --contexts 2048 --batches 1 --q 1 3
-    python benchmarks/bench_attention.py --decode /tmp/hybrid-engine-bench/random-0.8b --contexts 512 2048
+    python benchmarks/probes/bench_attention.py                       # contexts 512/2048/8192, batch 1/16
+    python benchmarks/probes/bench_attention.py --dtypes bfloat16 --contexts 2048 --batches 1 --q 1 3
+    python benchmarks/probes/bench_attention.py --decode /tmp/hybrid-engine-bench/random-0.8b --contexts 512 2048
 
 Layer mode (default): each case a cache of shuffled 16-slot blocks holding `context` tokens
 per sequence (NaN in the slots past them), a step of `q` new tokens per sequence; the median
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from random_checkpoint import QWEN35_08B_CONFIG  # noqa: E402
 
 from hybrid_engine.kernels import attention as attention_module  # noqa: E402

@@ -2,9 +2,9 @@
 `causal_conv1d_update_torch`, ~12 ops) against the native kernel (kernels/cpu/causal_conv1d_update.cpp,
 one call), in the same process on the same pool.
 
-    python benchmarks/bench_conv.py                        # default-model and 0.8B widths, batch 1/16, q 1/3
-    python benchmarks/bench_conv.py --dims 6144 --batches 1 --q 1 --dtypes bfloat16
-    python benchmarks/bench_conv.py --ops                  # ops per eager decode step, default model
+    python benchmarks/probes/bench_conv.py                        # default-model and 0.8B widths, batch 1/16, q 1/3
+    python benchmarks/probes/bench_conv.py --dims 6144 --batches 1 --q 1 --dtypes bfloat16
+    python benchmarks/probes/bench_conv.py --ops                  # ops per eager decode step, default model
 
 Layer mode (default): per case one layer's call on a pool of 4 x batch x q slots (each row
 reading its slot, token 0 written back there, later tokens to other slots); the median of
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 
 from hybrid_engine.kernels.conv import causal_conv1d  # noqa: E402
 from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update_torch  # noqa: E402

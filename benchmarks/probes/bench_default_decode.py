@@ -2,7 +2,7 @@
 in one process, alternated 5 times (256 steps each after a warm-up that compiles), medians:
 issue 16's default-model figure.
 
-    python benchmarks/bench_default_decode.py OUT.json
+    python benchmarks/probes/bench_default_decode.py OUT.json
 """
 import datetime
 import json
@@ -11,9 +11,15 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
+if sys.argv[1:2] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
+if len(sys.argv) != 2:
+    sys.exit(__doc__)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from bench_cpu import engine_decode, make_engine  # noqa: E402
 from hybrid_engine.default_model import default_model_path  # noqa: E402
 from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402

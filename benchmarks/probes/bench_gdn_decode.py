@@ -3,8 +3,8 @@ before it (kernels/fused.py `gdn_decode_torch`: the conv update op, the gates, t
 the gdn_recurrent op), on one engine in one process: eager b1 greedy decode steps, the two forms
 alternated block by block (the order flipped every round) so load drift hits both alike.
 
-    python benchmarks/bench_gdn_decode.py --model /tmp/hybrid-engine-bench/random-0.8b --dtype bfloat16
-    python benchmarks/bench_gdn_decode.py --model default --dtype float32 --threads 1
+    python benchmarks/probes/bench_gdn_decode.py --model /tmp/hybrid-engine-bench/random-0.8b --dtype bfloat16
+    python benchmarks/probes/bench_gdn_decode.py --model default --dtype float32 --threads 1
 
 Prints the top-level ops per step (torch.profiler, load-independent) and the median step time of
 each form with their ratio. With --threads 1 the clock is the thread's CPU time (a neighbour's
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from bench_cpu import DECODE_PROMPT_LEN, MAX_MODEL_LEN, make_engine, prompts  # noqa: E402
 
 from hybrid_engine import SamplingParams  # noqa: E402

@@ -1,8 +1,8 @@
 """The native RMSNorms (kernels/cpu/rms_norm.cpp) against their torch forms (issue 16).
 
-    python benchmarks/bench_norms.py                       # per-call times at 0.8B shapes, 1 and 16 rows
-    python benchmarks/bench_norms.py --rows 1,16,512 --threads 2
-    python benchmarks/bench_norms.py --model /tmp/hybrid-engine-bench/random-0.8b --dtype bfloat16
+    python benchmarks/probes/bench_norms.py                       # per-call times at 0.8B shapes, 1 and 16 rows
+    python benchmarks/probes/bench_norms.py --rows 1,16,512 --threads 2
+    python benchmarks/probes/bench_norms.py --model /tmp/hybrid-engine-bench/random-0.8b --dtype bfloat16
 
 Per call: the torch form and the public op (the kernel where it runs) alternated in one process,
 medians of --reps blocks, at Qwen3.5-0.8B's shapes (hidden 1024, 16 GDN value heads of 128, 8 q
@@ -17,7 +17,11 @@ import argparse
 import collections
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu
 
 
 def per_call(rows: int, dtype, reps: int, number: int) -> dict[str, tuple[float, float]]:

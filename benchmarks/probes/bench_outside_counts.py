@@ -4,7 +4,7 @@ default model. Counts do not move with the machine's load, unlike bench_engine.p
 run it in two checkouts to A/B them. Bytecodes also see work that makes no call (loops,
 attribute reads) and calls the profiler does not report (a functools.partial's target).
 
-    python benchmarks/bench_outside_counts.py [--batches 1,16] [--steps 64] [--top 0] [--compile]
+    python benchmarks/probes/bench_outside_counts.py [--batches 1,16] [--steps 64] [--top 0] [--compile]
 
 --top N also lists the N most frequent aten ops (with the engine function that issued them)
 and Python functions. --compile counts the torch.compile'd engine (its graphs compiled in the
@@ -19,10 +19,12 @@ import argparse
 import collections
 import os
 import sys
+from pathlib import Path
 
-from bench_cpu import DECODE_PROMPT_LEN, make_engine, prompts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu
+from bench_cpu import DECODE_PROMPT_LEN, make_engine, prompts  # noqa: E402
 
-from hybrid_engine.default_model import default_model_path
+from hybrid_engine.default_model import default_model_path  # noqa: E402
 
 
 def main() -> None:

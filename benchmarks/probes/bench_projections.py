@@ -2,8 +2,8 @@
 shape: the achieved read bandwidth of every product form this process's level offers, beside the
 mv probe of bench_cpu.py measured in the same process.
 
-    python benchmarks/bench_projections.py --dtype bfloat16 --rows 1
-    HYBRID_ENGINE_CPU_ISA=avx2 python benchmarks/bench_projections.py --dtype float32
+    python benchmarks/probes/bench_projections.py --dtype bfloat16 --rows 1
+    HYBRID_ENGINE_CPU_ISA=avx2 python benchmarks/probes/bench_projections.py --dtype float32
 
 The level is the process's own (kernels/cpu/isa.py; lower it with HYBRID_ENGINE_CPU_ISA). Every
 weight is held in enough copies to exceed the last-level cache (a decode step reads 1.5-3 GB,
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from bench_cpu import bandwidth_probe  # noqa: E402
 
 from hybrid_engine.kernels.cpu.blocked import block_weight, blocked_linear, native_available  # noqa: E402

@@ -8,7 +8,7 @@ completed with 64 tokens under 3 seeds, and two numbers are reported:
   high temperatures emit tokens the model itself finds unlikely, i.e. less readable code).
 A quality measurement, not a timing one: the numbers do not depend on the machine's load.
 
-    python benchmarks/choose_generation_defaults.py [--json out.json]
+    python benchmarks/probes/choose_generation_defaults.py [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Memory after load, with and without MTP speculation (issue 15): resident set size of a
 fresh process that has built an LLM, the cache pools' bytes, and the model's weight bytes.
 
-    python benchmarks/memory_after_load.py [--model FOLDER] [--dtype float32] [--k 4]
+    python benchmarks/probes/memory_after_load.py [--model FOLDER] [--dtype float32] [--k 4]
 
 Each configuration runs in its own process, so one's pages never count towards the other's
 RSS. Memory figures, unlike timings, mean something on a shared machine.
