@@ -13,7 +13,9 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     block_size: int = 16
-    max_num_seqs: int = 64
+    # None: as many as cache_memory_bytes holds at DEFAULT_KV_TOKENS_PER_SEQ tokens each (at most
+    # 256), or 64 without a budget (hybrid_engine/engine.py derive_max_num_seqs).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     cache_memory_bytes: int | None = None
     max_model_len: int | None = None
@@ -52,11 +54,13 @@ class EngineConfig:
         # torch.Generator.manual_seed accepts exactly this range.
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        for name in ("block_size", "max_num_batched_tokens"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.max_num_seqs is not None and not _is_positive_int(self.max_num_seqs):
+            raise ValueError(f"max_num_seqs must be a positive int or None (derived), got {self.max_num_seqs!r}")
+        # A derived max_num_seqs fits max_num_batched_tokens by construction (and is validated again).
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running request can decode each step")
@@ -68,7 +72,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None and (not isinstance(sizes, (list, tuple)) or not sizes or not all(
-                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
+                _is_positive_int(b) and b <= (self.max_num_seqs or b) for b in sizes)):
             raise ValueError(f"cuda_graph_batch_sizes must be a non-empty list of ints in 1..max_num_seqs "
                              f"({self.max_num_seqs}), got {sizes!r}")
         n = self.prefix_checkpoints
@@ -97,3 +101,7 @@ class EngineConfig:
             if device.index is not None and device.index >= torch.cuda.device_count():
                 raise ValueError(f"device {self.device!r} asked for, but torch sees "
                                  f"{torch.cuda.device_count()} CUDA device(s)")
+
+
+def _is_positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1

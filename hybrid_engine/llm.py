@@ -22,7 +22,7 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
                  cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
                  max_model_len: int | None = None, device: str = "cpu", seed: int = 0,
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,

@@ -11,8 +11,9 @@ Entries are either published (found by key, least recently used evicted first wh
 needs room) or pending: owned by a running request, which refreshes it as its committed
 length crosses block boundaries while decoding and publishes it when it finishes or is
 preempted (so the next chat turn, or its own readmission, hits). Pending entries are never
-evicted. The pool's size is fixed at start-up, inside the one cache byte budget; taking a
-checkpoint is best effort: with every entry pending, none is taken.
+evicted. The pool's size is fixed at start-up, inside the one cache byte budget, from what the
+requests' slots and KV leave (HybridCacheManager.from_budget: fewer than asked, or none, when
+the budget is short); taking a checkpoint is best effort: with every entry pending, none is taken.
 """
 
 from __future__ import annotations

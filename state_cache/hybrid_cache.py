@@ -119,9 +119,11 @@ class HybridCacheManager:
         num_checkpoints: int = 0,
         copy_last_hit_block: bool = False,
     ) -> HybridCacheManager:
-        """Split one byte budget: state slots for every sequence first (their number is fixed
-        by max_num_seqs and speculation) and the prefix checkpoints, then as many KV blocks as
-        the rest holds."""
+        """Split one byte budget: the requests' needs first (state slots for every sequence,
+        their number fixed by max_num_seqs and speculation, and at least one KV block each),
+        then up to num_checkpoints prefix checkpoints from what is left (`checkpoints_that_fit`:
+        fewer, down to none, when the budget is short; the caller says so), then as many KV
+        blocks as the rest holds."""
         if max_num_seqs < 1 or draft_slots_per_seq < 0:
             raise ValueError(
                 f"need max_num_seqs >= 1 and draft_slots_per_seq >= 0, "
@@ -129,19 +131,30 @@ class HybridCacheManager:
             )
         num_slots = max_num_seqs * (1 + draft_slots_per_seq)
         slot_bytes = (num_slots + 1) * spec.bytes_per_slot            # + pad_slot
-        slot_bytes += num_checkpoints * CheckpointPool.bytes_per_checkpoint(spec)
-        num_blocks = max(cache_memory_bytes - slot_bytes, 0) // spec.bytes_per_block
-        if num_blocks < max_num_seqs:
-            needed = slot_bytes + max_num_seqs * spec.bytes_per_block
+        left = cache_memory_bytes - slot_bytes
+        if left < max_num_seqs * spec.bytes_per_block:
             raise ValueError(
                 f"cache budget of {cache_memory_bytes} bytes is too small: {num_slots} state slots "
-                f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}, plus the pad slot) and {num_checkpoints} "
-                f"prefix checkpoints take {slot_bytes} bytes and "
-                f"one KV block per seq takes {max_num_seqs * spec.bytes_per_block} more; "
-                f"need at least {needed} bytes, or lower max_num_seqs / draft slots / prefix_checkpoints "
-                f"(enable_prefix_caching=False keeps none)"
+                f"({max_num_seqs} seqs x {1 + draft_slots_per_seq}, plus the pad slot) take {slot_bytes} bytes "
+                f"and one KV block per seq takes {max_num_seqs * spec.bytes_per_block} more; "
+                f"need at least {slot_bytes + max_num_seqs * spec.bytes_per_block} bytes, "
+                f"or lower max_num_seqs / draft slots"
             )
+        num_checkpoints = cls.checkpoints_that_fit(spec, left, max_num_seqs, num_checkpoints)
+        num_blocks = (left - num_checkpoints * CheckpointPool.bytes_per_checkpoint(spec)) // spec.bytes_per_block
         return cls(spec, num_blocks, num_slots, device, num_checkpoints, copy_last_hit_block)
+
+    @staticmethod
+    def checkpoints_that_fit(spec: CacheSpec, num_bytes: int, min_blocks: int, wanted: int) -> int:
+        """How many of `wanted` prefix checkpoints num_bytes holds beside at least min_blocks KV
+        blocks and at least as many KV blocks as checkpoints: a checkpoint is found by the hash
+        of the cached block ending where it was taken, so more checkpoints than blocks could
+        never all be hit."""
+        per_checkpoint = CheckpointPool.bytes_per_checkpoint(spec)
+        fit = num_bytes // (per_checkpoint + spec.bytes_per_block)                  # a block each
+        if per_checkpoint:                      # (a spec without GDN layers keeps empty checkpoints)
+            fit = min(fit, (num_bytes - min_blocks * spec.bytes_per_block) // per_checkpoint)
+        return max(0, min(wanted, fit))
 
     # -- pool sizes ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from hybrid_engine.state_cache import (
     BlockAllocator,
     CacheCapacityError,
     CacheSpec,
+    CheckpointPool,
     HybridCacheManager,
     SlotAllocator,
 )
@@ -232,6 +233,36 @@ def test_from_budget_error_names_the_shortfall():
     with pytest.raises(ValueError, match=f"8 state slots.*need at least {need} bytes"):
         HybridCacheManager.from_budget(spec, need - 1, max_num_seqs=4, draft_slots_per_seq=1)
     assert HybridCacheManager.from_budget(spec, need, max_num_seqs=4, draft_slots_per_seq=1).num_blocks == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    budget=st.integers(0, 300_000),
+    max_num_seqs=st.integers(1, 6),
+    draft_slots=st.integers(0, 2),
+    wanted=st.integers(0, 16),
+    hidden_size=st.sampled_from([0, 8]),
+)
+def test_from_budget_gives_checkpoints_what_the_requests_leave(budget, max_num_seqs, draft_slots, wanted,
+                                                               hidden_size):
+    """Checkpoints never refuse a budget the requests fit in: as many as fit beside the requests'
+    slots and at least one KV block per sequence and per checkpoint, up to the number asked."""
+    spec = tiny_spec(hidden_size=hidden_size)
+    slot_bytes = (max_num_seqs * (1 + draft_slots) + 1) * spec.bytes_per_slot     # + pad_slot
+    per_checkpoint, per_block = CheckpointPool.bytes_per_checkpoint(spec), spec.bytes_per_block
+    if budget < slot_bytes + max_num_seqs * per_block:
+        with pytest.raises(ValueError, match="too small"):
+            HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots, num_checkpoints=wanted)
+        return
+    m = HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots, num_checkpoints=wanted)
+    kept, blocks = m.checkpoints.size, m.num_blocks
+    assert kept <= wanted and blocks >= max(max_num_seqs, kept)
+    checkpoint_tensors = [m.checkpoints.conv_layers, m.checkpoints.recurrent_layers, m.checkpoints.hidden]
+    used = tensor_bytes(m) + sum(t.numel() * t.element_size() for t in checkpoint_tensors)
+    assert used == slot_bytes + kept * per_checkpoint + blocks * per_block <= budget
+    assert used + per_block > budget                            # the KV blocks take the rest
+    if kept < wanted:                                           # one more would break a rule
+        assert (budget - slot_bytes - (kept + 1) * per_checkpoint) // per_block < max(max_num_seqs, kept + 1)
 
 
 # -- random op sequences --------------------------------------------------------------------
