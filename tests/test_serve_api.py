@@ -193,6 +193,22 @@ def _post(server, path, body, key=None):
                               "stream": "yes"}, "stream"),
     ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
                               "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, "top_logprobs: only allowed with logprobs true"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "stream_options": {"include_usage": True}}, "stream_options: only allowed with stream"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "stream": False,
+                         "stream_options": {"include_usage": True}}, "stream_options: only allowed with stream"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": None}]},
+     "messages[0].content: required for role 'user'"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"},
+                                                               {"role": "assistant"}]},
+     "messages[1].content: required for role 'assistant'"),
+    ("/v1/completions", '{"model": "default", "prompt": "\\ud800 x"}', "prompt: contains a lone UTF-16 surrogate"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": '
+                             '"a\\udc00"}]}', "messages[1].content: contains a lone UTF-16 surrogate"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "stop": [f"s{i}" for i in range(65)]},
+     "stop: at most 64 stop strings, got 65"),
     ("/tokenize", {"model": "default"}, "exactly one of prompt and messages"),
     ("/detokenize", {"model": "default", "tokens": [-1]}, "tokens"),
 ])
@@ -305,3 +321,11 @@ def test_metrics_count_prefix_cache_queries_and_hits():
             assert _metric(s, 'hybrid_engine:prefix_cache_checkpoints{model_name="default"}') == stats["checkpoints_held"]
     finally:
         llm.shutdown()
+
+
+def test_an_assistant_message_with_tool_calls_may_leave_out_content(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "3", "tool_call_id": "call_1"}]
+    r = _post(server, "/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -27,7 +27,7 @@ from hybrid_engine.sampling_params import SamplingParams
 from . import chat, completions
 from .chat_template import render_chat
 from .engine_client import EngineClient
-from .errors import APIError, bad_request_from_validation, error_response
+from .errors import APIError, bad_request_from_validation, error_response, lone_surrogate_error
 from .metrics import ServerMetrics, read_engine_gauges
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now)
@@ -104,6 +104,8 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
         req = await _parse(request, model_cls)
         state.check_model(req.model)
         client = state.ready_client()
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed with stream true", "stream_options")
         try:
             if req.stream:
                 return EventStreamResponse(_guarded(await endpoint.stream(req, client, state.model_name)))
@@ -164,6 +166,8 @@ async def _parse(request: Request, model_cls):
     try:
         return model_cls.model_validate_json(body or b"{}")
     except pydantic.ValidationError as e:
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            raise lone_surrogate_error(body) or bad_request_from_validation(e) from None
         raise bad_request_from_validation(e) from None
 
 

@@ -36,6 +36,8 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
         raise APIError(400, "tool_choice naming a function is not supported; use \"auto\" or \"none\"", "tool_choice")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise APIError(400, "response_format other than text is not supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: only allowed with logprobs true", "top_logprobs")
     engine = client.engine
     tok = engine.tokenizer
     prompt = render_chat(tok, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)

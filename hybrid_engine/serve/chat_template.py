@@ -21,6 +21,12 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     bad = sorted(_RESERVED & set(kwargs or {}))
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
+    for i, m in enumerate(messages):
+        # OpenAI's rule: content may be left out only by an assistant message that calls tools.
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            field = f"messages[{i}].content"
+            raise APIError(400, f"{field}: required for role {m.role!r} (only an assistant message with "
+                                "tool_calls may leave it out or set it to null)", field)
     conversation = [_as_template_message(m) for m in messages]
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:

@@ -7,6 +7,9 @@ unknown model or path; 503: the model is still loading or the server holds too m
 
 from __future__ import annotations
 
+import json
+import re
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -60,3 +63,28 @@ def _path(loc: tuple) -> str:
             continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out or "body"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_error(body: bytes) -> APIError | None:
+    """pydantic's JSON parser calls a lone UTF-16 surrogate escape ("\\ud800") malformed JSON. It
+    is valid JSON, but not text (it has no UTF-8 form, no tokenizer takes it): name the field."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack = [(value, ())]
+    while stack:   # a stack, not recursion: any depth json.loads took is fine here
+        item, loc = stack.pop()
+        if isinstance(item, str) and _SURROGATE.search(item):
+            field = _path(loc)
+            return APIError(400, f"{field}: contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                                 "escape), which is not a character; send valid Unicode text", field)
+        if isinstance(item, dict):
+            for key, v in reversed(item.items()):
+                stack.append((key, loc) if _SURROGATE.search(key) else (v, loc + (key,)))
+        elif isinstance(item, list):
+            stack.extend((v, loc + (i,)) for i, v in reversed(list(enumerate(item))))
+    return None

@@ -6,6 +6,8 @@ refused here. A sampling field the request leaves out takes the server's default
 CLI reads from the model's generation_config.json (LLM.get_default_sampling_params), as
 `vllm serve` does; so a request equals LLM.generate with the same fields. `n` choices are n engine requests; with a seed, choice i uses seed + i, so
 the n choices differ from each other and the whole response is reproducible.
+
+At most MAX_STOP_STRINGS stop strings (limits.py) are taken.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import replace
 from hybrid_engine.sampling_params import SamplingParams
 
 from .errors import APIError
+from .limits import MAX_STOP_STRINGS
 from .protocol import SamplingFields
 
 
@@ -27,6 +30,8 @@ def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                   defaults: SamplingParams) -> list[SamplingParams]:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}", "stop")
     given = {name: getattr(req, name) for name in DEFAULTED if getattr(req, name) is not None}
     out = []
     for i in range(req.n):
