@@ -8,8 +8,11 @@ the model's generation_config.json); SamplingParams() when not given.
 
 Request bodies are read and validated here (protocol.py, strict), not by FastAPI's own
 parsing, so every problem comes back as one OpenAI error body naming the field. A generation
-request is prepared and submitted before any response byte: a bad one is a 400, and it
-never reaches (or disturbs) the running batch.
+request is prepared (chat template, tokenization: on a worker thread, so a huge prompt never
+stalls the other clients) and submitted before any response byte: a bad one is a 400, and it
+never reaches (or disturbs) the running batch. From its submission on, one Generation holds the
+request's engine requests, and whatever ends the response (its end, an error, the client
+leaving at any point) closes it, which aborts what still runs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hybrid_engine.sampling_params import SamplingParams
 
@@ -107,11 +111,18 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed with stream true", "stream_options")
         try:
-            if req.stream:
-                return EventStreamResponse(_guarded(await endpoint.stream(req, client, state.model_name)))
-            result = await _unless_disconnected(request, endpoint.complete(req, client, state.model_name))
+            plan = await asyncio.to_thread(endpoint.prepare, req, client)
+            gen = client.generate(plan.choices, plan.request_id)
         except ValueError as e:   # the engine's validation: the message names the field
             raise APIError(400, str(e)) from None
+        # From here on every way out closes gen (nothing awaits before the response takes it).
+        name = state.model_name
+        if req.stream:
+            return EventStreamResponse(_guarded(endpoint.events(req, plan, gen, client, name)), on_close=gen.close)
+        try:
+            result = await _unless_disconnected(request, endpoint.complete(req, plan, gen, client, name))
+        finally:
+            gen.close()
         return JSONResponse(result.model_dump())
 
     @app.post("/tokenize")
@@ -123,9 +134,7 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if engine.tokenizer is None:
             raise APIError(400, "the model has no tokenizer")
-        text = req.prompt if req.prompt is not None else render_chat(
-            engine.tokenizer, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
-        ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        ids = await asyncio.to_thread(_tokenize, engine.tokenizer, req)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump()
 
     @app.post("/detokenize")
@@ -162,13 +171,22 @@ def attach_engine(app: FastAPI, engine_loop, default_params: SamplingParams | No
 
 
 async def _parse(request: Request, model_cls):
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:   # not a server error: nobody is left to answer
+        raise APIError(499, "the client closed the request before sending all of it") from None
     try:
         return model_cls.model_validate_json(body or b"{}")
     except pydantic.ValidationError as e:
         if any(err["type"] == "json_invalid" for err in e.errors()):
             raise lone_surrogate_error(body) or bad_request_from_validation(e) from None
         raise bad_request_from_validation(e) from None
+
+
+def _tokenize(tokenizer, req: TokenizeRequest) -> list[int]:
+    text = req.prompt if req.prompt is not None else render_chat(
+        tokenizer, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 
 async def _guarded(events):

@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: messages through the chat template, then reasoning and tool calls
-parsed out of each choice's text (chat_output_parser.py)."""
+parsed out of each choice's text (chat_output_parser.py).
+
+app.py runs prepare() on a worker thread, submits the plan's choices, and then awaits
+complete() or streams events(); the Generation is app.py's to close."""
 
 from __future__ import annotations
 
@@ -8,19 +11,20 @@ from dataclasses import dataclass
 
 from .chat_output_parser import THINK_END, THINK_START, TOOL_START, ChatDeltaParts, ChatOutputParser
 from .chat_template import render_chat
-from .engine_client import Choice, EngineClient
+from .engine_client import Choice, EngineClient, Generation
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatStreamChoice,
                        FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut, UsageInfo, new_id, now)
-from .sampling import check_fits, choice_params
+from .sampling import check_fits, check_prompt_chars, choice_params
 from .sse import DONE, event
 from .text_stream import StreamedText
 
 
 @dataclass
 class ChatPlan:
+    request_id: str
     choices: list[Choice]
     prompt_ids: list[int]
     reasoning: bool
@@ -32,6 +36,7 @@ class ChatPlan:
 
 
 def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
+    """The chat template and tokenization: CPU work, run on a worker thread (app.py)."""
     if isinstance(req.tool_choice, dict):
         raise APIError(400, "tool_choice naming a function is not supported; use \"auto\" or \"none\"", "tool_choice")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -39,8 +44,8 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: only allowed with logprobs true", "top_logprobs")
     engine = client.engine
-    tok = engine.tokenizer
-    prompt = render_chat(tok, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+    prompt = render_chat(engine.tokenizer, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+    check_prompt_chars(len(prompt), client.prompt_char_limit, engine.max_model_len, "messages")
     try:
         _, ids = engine.encode_prompt(prompt)
     except ValueError as e:
@@ -49,9 +54,9 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     max_tokens = check_fits(len(ids), req.max_completion_tokens or req.max_tokens, engine.max_model_len, field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     choices = [Choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(choice_params(req, max_tokens, logprobs, client.default_params))]
-    vocab = tok.get_vocab()
+    vocab = client.vocab
     reasoning = THINK_START in vocab and THINK_END in vocab
-    return ChatPlan(choices, ids, reasoning=reasoning,
+    return ChatPlan(new_id("chatcmpl"), choices, ids, reasoning=reasoning,
                     tools=bool(req.tools) and req.tool_choice != "none" and TOOL_START in vocab,
                     starts_in_reasoning=reasoning and prompt.rfind(THINK_START) > prompt.rfind(THINK_END))
 
@@ -65,10 +70,9 @@ def _usage(plan: ChatPlan, outputs) -> UsageInfo:
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-async def complete(req: ChatCompletionRequest, client: EngineClient, model: str) -> ChatCompletionResponse:
-    plan = prepare(req, client)
-    rid = new_id("chatcmpl")
-    final = await client.final_outputs(plan.choices, rid)
+async def complete(req: ChatCompletionRequest, plan: ChatPlan, gen: Generation, client: EngineClient,
+                   model: str) -> ChatCompletionResponse:
+    final = await gen.final_outputs()
     tok = client.engine.tokenizer
     result = []
     for index, out in enumerate(final):
@@ -89,15 +93,8 @@ async def complete(req: ChatCompletionRequest, client: EngineClient, model: str)
                                                                 req.top_logprobs or 0))
         result.append(ChatChoice(index=index, message=message, logprobs=logprobs,
                                  finish_reason=_finish_reason(out, bool(calls)), stop_reason=out.stop_reason))
-    return ChatCompletionResponse(id=rid, created=now(), model=model, choices=result, usage=_usage(plan, final))
-
-
-async def stream(req: ChatCompletionRequest, client: EngineClient, model: str) -> AsyncIterator[str]:
-    """Prepared and submitted before the first byte (a bad request is still a 400)."""
-    plan = prepare(req, client)
-    rid = new_id("chatcmpl")
-    gen = client.generate(plan.choices, rid)
-    return _events(req, client, model, rid, gen, plan)
+    return ChatCompletionResponse(id=plan.request_id, created=now(), model=model, choices=result,
+                                  usage=_usage(plan, final))
 
 
 def _delta(parts: ChatDeltaParts) -> ChatDelta:
@@ -108,8 +105,10 @@ def _delta(parts: ChatDeltaParts) -> ChatDelta:
                      tool_calls=calls or None)
 
 
-async def _events(req, client, model, rid, gen, plan: ChatPlan) -> AsyncIterator[str]:
-    created, tok = now(), client.engine.tokenizer
+async def events(req: ChatCompletionRequest, plan: ChatPlan, gen: Generation, client: EngineClient,
+                 model: str) -> AsyncIterator[str]:
+    """The SSE body. Closing the generation is the caller's (app.py), whatever becomes of this."""
+    created, tok, rid = now(), client.engine.tokenizer, plan.request_id
     n = len(plan.choices)
     texts = [StreamedText(c.params.stop) for c in plan.choices]
     parsers = [plan.parser() for _ in range(n)]
@@ -120,31 +119,28 @@ async def _events(req, client, model, rid, gen, plan: ChatPlan) -> AsyncIterator
     def chunk(index: int, delta: ChatDelta, logprobs=None, finish=None, stop_reason=None) -> str:
         return event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatStreamChoice(
             index=index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason)]))
-    try:
-        for index in range(n):
-            yield chunk(index, ChatDelta(role="assistant", content=""))
-        async for index, out in gen:
-            parts = parsers[index].feed(texts[index].delta(out.text, out.finished))
-            if out.finished:
-                end = parsers[index].finish()
-                parts = ChatDeltaParts(parts.reasoning + end.reasoning, parts.content + end.content,
-                                       parts.tool_calls + end.tool_calls)
-                finals[index] = out
-            saw_call[index] |= bool(parts.tool_calls)
-            logprobs = None
-            if req.logprobs and out.new_token_ids:
-                start = num_tokens[index]
-                logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                    tok, out.token_ids[start:], out.logprobs[start:], req.top_logprobs or 0))
-            num_tokens[index] = len(out.token_ids)
-            if parts or logprobs:
-                yield chunk(index, _delta(parts), logprobs)
-            if out.finished:
-                yield chunk(index, ChatDelta(), finish=_finish_reason(out, saw_call[index]),
-                            stop_reason=out.stop_reason)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            yield event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                            usage=_usage(plan, finals)))
-        yield DONE
-    finally:
-        gen.close()
+    for index in range(n):
+        yield chunk(index, ChatDelta(role="assistant", content=""))
+    async for index, out in gen:
+        parts = parsers[index].feed(texts[index].delta(out.text, out.finished))
+        if out.finished:
+            end = parsers[index].finish()
+            parts = ChatDeltaParts(parts.reasoning + end.reasoning, parts.content + end.content,
+                                   parts.tool_calls + end.tool_calls)
+            finals[index] = out
+        saw_call[index] |= bool(parts.tool_calls)
+        logprobs = None
+        if req.logprobs and out.new_token_ids:
+            start = num_tokens[index]
+            logprobs = ChatChoiceLogprobs(content=chat_logprobs(
+                tok, out.token_ids[start:], out.logprobs[start:], req.top_logprobs or 0))
+        num_tokens[index] = len(out.token_ids)
+        if parts or logprobs:
+            yield chunk(index, _delta(parts), logprobs)
+        if out.finished:
+            yield chunk(index, ChatDelta(), finish=_finish_reason(out, saw_call[index]),
+                        stop_reason=out.stop_reason)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                        usage=_usage(plan, finals)))
+    yield DONE

@@ -1,21 +1,32 @@
-"""POST /v1/completions: prompts (text, token ids, or a list of either) x n choices."""
+"""POST /v1/completions: prompts (text, token ids, or a list of either) x n choices.
+
+app.py runs prepare() on a worker thread, submits the plan's choices, and then awaits
+complete() or streams events(); the Generation is app.py's to close."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from .engine_client import Choice, EngineClient
+from .engine_client import Choice, EngineClient, Generation
 from .errors import APIError
 from .logprobs import completion_logprobs
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, new_id, now
-from .sampling import check_fits, choice_params
+from .sampling import check_fits, check_prompt_chars, choice_params
 from .sse import DONE, event
 from .text_stream import StreamedText
 
 
-def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice], list[list[int]]]:
-    """-> the engine requests (prompt-major: choice index = prompt index * n + i) and each
-    prompt's token ids. Bad prompts and parameters raise APIError / ValueError (400)."""
+@dataclass
+class CompletionPlan:
+    request_id: str
+    choices: list[Choice]         # prompt-major: choice index = prompt index * n + i
+    prompt_ids: list[list[int]]   # each prompt's token ids
+
+
+def prepare(req: CompletionRequest, client: EngineClient) -> CompletionPlan:
+    """The engine requests and each prompt's token ids. Bad prompts and parameters raise
+    APIError / ValueError (400). Tokenization: CPU work, run on a worker thread (app.py)."""
     for name in ("best_of", "suffix"):
         value = getattr(req, name)
         if value is not None and not (name == "best_of" and value == req.n):
@@ -28,6 +39,9 @@ def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice],
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
     engine = client.engine
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_prompt_chars(len(prompt), client.prompt_char_limit, engine.max_model_len, "prompt")
     choices, prompt_ids = [], []
     for i, prompt in enumerate(prompts):
         try:
@@ -38,7 +52,7 @@ def prepare(req: CompletionRequest, client: EngineClient) -> tuple[list[Choice],
         prompt_ids.append(ids)
         for j, params in enumerate(choice_params(req, max_tokens, req.logprobs, client.default_params)):
             choices.append(Choice(ids, params, counts_prompt=j == 0))
-    return choices, prompt_ids
+    return CompletionPlan(new_id("cmpl"), choices, prompt_ids)
 
 
 def _as_text(client: EngineClient, ids: list[int]) -> str:
@@ -51,21 +65,20 @@ def _text(client: EngineClient, out) -> str:
     return out.text if client.engine.tokenizer is not None else _as_text(client, out.token_ids)
 
 
-async def complete(req: CompletionRequest, client: EngineClient, model: str) -> CompletionResponse:
-    choices, prompt_ids = prepare(req, client)
-    rid = new_id("cmpl")
-    final = await client.final_outputs(choices, rid)
+async def complete(req: CompletionRequest, plan: CompletionPlan, gen: Generation, client: EngineClient,
+                   model: str) -> CompletionResponse:
+    final = await gen.final_outputs()
     tok = client.engine.tokenizer
     result = []
     for index, out in enumerate(final):
-        echo = _as_text(client, prompt_ids[index // req.n]) if req.echo else ""
+        echo = _as_text(client, plan.prompt_ids[index // req.n]) if req.echo else ""
         logprobs = None
         if req.logprobs is not None and tok is not None:
             logprobs = completion_logprobs(tok, out.token_ids, out.logprobs or [], req.logprobs)
         result.append(CompletionChoice(index=index, text=echo + _text(client, out), logprobs=logprobs,
                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason))
-    return CompletionResponse(id=rid, created=now(), model=model, choices=result,
-                              usage=_usage(prompt_ids, final))
+    return CompletionResponse(id=plan.request_id, created=now(), model=model, choices=result,
+                              usage=_usage(plan.prompt_ids, final))
 
 
 def _usage(prompt_ids: list[list[int]], outputs) -> UsageInfo:
@@ -74,46 +87,36 @@ def _usage(prompt_ids: list[list[int]], outputs) -> UsageInfo:
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-async def stream(req: CompletionRequest, client: EngineClient, model: str) -> AsyncIterator[str]:
-    """The SSE body. Choices are prepared and submitted before the first byte, so a bad request
-    is still a 400; the generator's finally aborts everything when the client goes away."""
-    choices, prompt_ids = prepare(req, client)
-    rid = new_id("cmpl")
-    gen = client.generate(choices, rid)
-    return _events(req, client, model, rid, gen, choices, prompt_ids)
-
-
-async def _events(req, client, model, rid, gen, choices, prompt_ids) -> AsyncIterator[str]:
-    created, tok = now(), client.engine.tokenizer
-    texts = [StreamedText(c.params.stop) for c in choices]
-    num_tokens = [0] * len(choices)
-    finals = [None] * len(choices)
+async def events(req: CompletionRequest, plan: CompletionPlan, gen: Generation, client: EngineClient,
+                 model: str) -> AsyncIterator[str]:
+    """The SSE body. Closing the generation is the caller's (app.py), whatever becomes of this."""
+    created, tok, rid = now(), client.engine.tokenizer, plan.request_id
+    texts = [StreamedText(c.params.stop) for c in plan.choices]
+    num_tokens = [0] * len(plan.choices)
+    finals = [None] * len(plan.choices)
 
     def chunk(index: int, text: str, logprobs=None, finish=None, stop_reason=None) -> str:
         return event(CompletionResponse(id=rid, created=created, model=model, choices=[
             CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
                              stop_reason=stop_reason)]))
-    try:
-        if req.echo:
-            for index in range(len(choices)):
-                yield chunk(index, _as_text(client, prompt_ids[index // req.n]))
-        async for index, out in gen:
-            if tok is None:
-                text = _as_text(client, out.new_token_ids)
-            else:
-                text = texts[index].delta(out.text, out.finished)
-            logprobs = None
-            if req.logprobs is not None and tok is not None and out.new_token_ids:
-                new = out.token_ids[num_tokens[index]:]
-                logprobs = completion_logprobs(tok, new, out.logprobs[num_tokens[index]:], req.logprobs)
-            num_tokens[index] = len(out.token_ids)
-            if out.finished:
-                finals[index] = out
-            if text or logprobs or out.finished:
-                yield chunk(index, text, logprobs, out.finish_reason, out.stop_reason)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                           usage=_usage(prompt_ids, finals)))
-        yield DONE
-    finally:
-        gen.close()
+    if req.echo:
+        for index in range(len(plan.choices)):
+            yield chunk(index, _as_text(client, plan.prompt_ids[index // req.n]))
+    async for index, out in gen:
+        if tok is None:
+            text = _as_text(client, out.new_token_ids)
+        else:
+            text = texts[index].delta(out.text, out.finished)
+        logprobs = None
+        if req.logprobs is not None and tok is not None and out.new_token_ids:
+            new = out.token_ids[num_tokens[index]:]
+            logprobs = completion_logprobs(tok, new, out.logprobs[num_tokens[index]:], req.logprobs)
+        num_tokens[index] = len(out.token_ids)
+        if out.finished:
+            finals[index] = out
+        if text or logprobs or out.finished:
+            yield chunk(index, text, logprobs, out.finish_reason, out.stop_reason)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                       usage=_usage(plan.prompt_ids, finals)))
+    yield DONE

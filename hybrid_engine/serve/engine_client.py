@@ -1,9 +1,11 @@
-"""The HTTP handlers' side of the EngineLoop: submit a request's choices, await their outputs.
+"""The HTTP handlers' side of the EngineLoop: admit a request, submit its choices, await their
+outputs; and the server's view of what is in flight.
 
 Each choice is one engine request. The loop thread hands its outputs to this asyncio loop
 through call_soon_threadsafe, so a handler awaits a queue and never blocks the event loop.
-Closing a Generation (a finished response, an error, a client that went away) aborts every
-choice still running, which frees its memory at the loop's next turn.
+Closing a Generation (a finished response, an error, a client that went away, at any point)
+aborts every choice still running, which frees its memory at the loop's next turn; the abort's
+output still comes back, and is counted in /metrics (finished_reason "abort", with its tokens).
 
 Latency metrics are observed here, as the outputs reach the server: time to first token and
 end-to-end from submission, inter-token time per token between two deltas.
@@ -19,6 +21,7 @@ from hybrid_engine.sampling_params import SamplingParams
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .sampling import prompt_char_limit
 
 
 @dataclass
@@ -36,7 +39,11 @@ class EngineClient:
         self.engine = engine_loop.engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
-        self.num_pending = 0     # engine requests this server has open (event-loop thread only)
+        # Event-loop thread only:
+        self.num_pending = 0     # engine requests this server has open
+        self.live: set[Generation] = set()
+        self.vocab = self.engine.tokenizer.get_vocab() if self.engine.tokenizer is not None else {}
+        self.prompt_char_limit = prompt_char_limit(self.vocab, self.engine.max_model_len)
 
     def generate(self, choices: list[Choice], request_id: str) -> Generation:
         """Submits every choice, or none: a ValueError from the engine's validation (naming the
@@ -46,33 +53,25 @@ class EngineClient:
                                 f"(at most {self.max_pending_requests}); retry later")
         return Generation(self, choices, request_id)
 
-    async def final_outputs(self, choices: list[Choice], request_id: str) -> list:
-        """Runs the choices to the end (a non-streaming response): each one's finished output."""
-        gen = self.generate(choices, request_id)
-        final = [None] * len(choices)
-        try:
-            async for index, out in gen:
-                if out.finished:
-                    final[index] = out
-        finally:   # a client that gave up (cancelled here) aborts what still runs
-            gen.close()
-        return final
-
 
 class Generation:
-    """Async iterator over (choice index, RequestOutput) until every choice has finished."""
+    """Async iterator over (choice index, RequestOutput) until every choice has finished.
+
+    close() (idempotent) aborts what still runs."""
 
     def __init__(self, client: EngineClient, choices: list[Choice], request_id: str):
         self.client, self.choices = client, choices
         self.queue: asyncio.Queue = asyncio.Queue()
-        aio = asyncio.get_running_loop()
+        self.aio = asyncio.get_running_loop()
         self.streams, self.closed = [], False
         self.start = time.monotonic()
         self.last_time = [None] * len(choices)
+        self.counted = [False] * len(choices)
         self.num_finished = 0
+        client.live.add(self)
         try:
             for i, c in enumerate(choices):
-                deliver = _deliverer(aio, self.queue, i)
+                deliver = _deliverer(self.aio, self._receive, i)
                 self.streams.append(client.engine_loop.submit(c.prompt, c.params, f"{request_id}-{i}", deliver))
                 client.num_pending += 1
         except BaseException:
@@ -95,6 +94,35 @@ class Generation:
             self.num_finished += 1
         return index, out
 
+    async def final_outputs(self) -> list:
+        """Runs the choices to the end (a non-streaming response): each one's finished output."""
+        final = [None] * len(self.choices)
+        async for index, out in self:
+            if out.finished:
+                final[index] = out
+        return final
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams:
+            stream.close()      # aborts the request unless it has finished
+        self.client.num_pending -= len(self.streams)
+        self.client.live.discard(self)
+        # A finished output that arrived but was never read: no abort follows it, so it is counted now.
+        while not self.queue.empty():
+            index, out = self.queue.get_nowait()
+            if getattr(out, "finished", False):
+                self._count(index, out)
+
+    def _receive(self, index: int, out) -> None:
+        """On the event loop, for each delivery of the loop thread."""
+        if not self.closed:
+            self.queue.put_nowait((index, out))
+        elif getattr(out, "finished", False):   # the abort of a choice that was still running
+            self._count(index, out)
+
     def _observe(self, index: int, out) -> None:
         now, m = time.monotonic(), self.client.metrics
         if out.new_token_ids:
@@ -105,23 +133,21 @@ class Generation:
                 m.observe_inter_token(now - last, len(out.new_token_ids))
             self.last_time[index] = now
         if out.finished:
-            m.observe_finished(out, now - self.start, self.choices[index].counts_prompt)
+            self._count(index, out)
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for stream in self.streams:
-            stream.close()      # aborts the request unless it has finished
-        self.client.num_pending -= len(self.streams)
+    def _count(self, index: int, out) -> None:
+        if not self.counted[index]:
+            self.counted[index] = True
+            self.client.metrics.observe_finished(out, time.monotonic() - self.start,
+                                                 self.choices[index].counts_prompt)
 
 
-def _deliverer(aio: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+def _deliverer(aio: asyncio.AbstractEventLoop, receive, index: int):
     """on_output for the loop thread: must not block, and must not fail once the HTTP side
     has gone (its event loop closed at shutdown)."""
     def deliver(output) -> None:
         try:
-            aio.call_soon_threadsafe(queue.put_nowait, (index, output))
+            aio.call_soon_threadsafe(receive, index, output)
         except RuntimeError:
             pass
     return deliver

@@ -7,7 +7,9 @@ CLI reads from the model's generation_config.json (LLM.get_default_sampling_para
 `vllm serve` does; so a request equals LLM.generate with the same fields. `n` choices are n engine requests; with a seed, choice i uses seed + i, so
 the n choices differ from each other and the whole response is reproducible.
 
-At most MAX_STOP_STRINGS stop strings (limits.py) are taken.
+Checked here before any work: at most MAX_STOP_STRINGS stop strings (limits.py), and a text
+prompt far longer than the context can hold is refused before it is tokenized
+(prompt_char_limit).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from .errors import APIError
 from .limits import MAX_STOP_STRINGS
 from .protocol import SamplingFields
 
+
+# A normalizer may merge a few characters into one (NFC: a letter and up to three combining
+# marks), so a token can stand for up to this many times the characters of its vocab entry.
+_CHARS_MERGED = 4
 
 # Request fields that fall back to the server's defaults when not given.
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -51,3 +57,19 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, fiel
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt "
                             f"has {prompt_len} and {field} asks for {max_tokens} more", field)
     return max_tokens
+
+
+def prompt_char_limit(vocab: dict[str, int], max_model_len: int) -> int:
+    """The most characters a prompt that fits the context can have. A vocab entry is at least as
+    long as the text its token covers (byte-level BPE spells each byte as one character), so no
+    token covers more than the longest entry's characters, times what normalizing may merge."""
+    longest = max(map(len, vocab), default=1)
+    return max_model_len * longest * _CHARS_MERGED
+
+
+def check_prompt_chars(num_chars: int, limit: int, max_model_len: int, field: str) -> None:
+    """Refuses a text far too long for the context without tokenizing it (a 10 MB prompt would
+    take a worker thread for seconds, for a 400)."""
+    if num_chars > limit:
+        raise APIError(400, f"{field}: {num_chars} characters, more than any prompt that fits this model's "
+                            f"maximum context length of {max_model_len} tokens can have ({limit})", field)

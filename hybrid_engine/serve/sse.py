@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import anyio
 from pydantic import BaseModel
@@ -20,12 +21,16 @@ def event(chunk: BaseModel | dict) -> str:
 class EventStreamResponse(StreamingResponse):
     """A StreamingResponse that notices a client leaving at once. Starlette watches for the
     disconnect only under ASGI < 2.4; otherwise it learns of it at the next write, which for a
-    request still in its prefill may be long after. Here the watch always runs, and the event
-    generator is closed when either side ends, so its `finally` aborts the engine requests."""
+    request still in its prefill may be long after. Here the watch always runs, and when either
+    side ends, on_close() is called (it aborts the engine requests) and the events are closed.
 
-    def __init__(self, events):
+    on_close is called here, not from the event generator's `finally`: a generator that never
+    started (the first send raised, the task was cancelled first) runs no `finally` on aclose()."""
+
+    def __init__(self, events, on_close: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -41,4 +46,5 @@ class EventStreamResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
+            self.on_close()
             await self.body_iterator.aclose()
