@@ -6,6 +6,7 @@ import sys
 import threading
 
 from .cli import CLIError, add_engine_arguments, build_llm
+from .serve.limits import DEFAULT_MAX_WAITING_REQUESTS
 
 NAME = "serve"
 HELP = "serve the model over an OpenAI-compatible HTTP API"
@@ -13,6 +14,10 @@ DESCRIPTION = """\
 Serve the model over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions (both
 streaming or not), /v1/models, /tokenize, /detokenize, /metrics (Prometheus) and /health (503
 while the model loads, then 200). Binds to 127.0.0.1 unless --host says otherwise.
+
+Up to --max-num-seqs requests run at once and --max-waiting-requests more wait their turn;
+beyond that a request is answered 503 with `Retry-After`. A client may bound a request's time
+with the header `X-Request-Timeout: SECONDS` (then 408).
 
   hybrid-engine serve --port 8000
   hybrid-engine serve --model /path/to/hf_folder --speculative-tokens 2 --api-key secret
@@ -38,6 +43,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (all but /health)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=f"the model name clients send (default: the --model folder, else {DEFAULT_MODEL_NAME!r})")
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                   help="requests that may wait for a place in the batch before new ones get 503 "
+                        f"(default: {DEFAULT_MAX_WAITING_REQUESTS})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
 
@@ -48,8 +56,10 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_waiting_requests < 0:
+        raise CLIError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = create_app(None, model_name=name, api_key=args.api_key)
+    app = create_app(None, model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
     sock = bind(args.host, args.port)   # fails now, before the model loads, if the port is taken
     host, port = sock.getsockname()[:2]
     server = make_server(app, args.log_level)

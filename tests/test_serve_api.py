@@ -283,11 +283,13 @@ def _metric(server, line_start: str) -> float:
     return 0.0
 
 
-def test_overloaded_is_503_and_clears(llm):
-    app = create_app(llm.loop, model_name="default", max_pending_requests=2)
+def test_overloaded_is_503_with_retry_after_and_clears(llm):
+    # no waiting room: the 8 requests --max-num-seqs runs at once are all it takes
+    app = create_app(llm.loop, model_name="default", max_waiting_requests=0)
     with BackgroundServer(app) as s:
-        r = _post(s, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 2, "n": 3})
+        r = _post(s, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 2, "n": 9})
         assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "1"
         assert app.state.serve.client.num_pending == 0
         assert len(client(s).completions.create(model="default", prompt="x", max_tokens=2, n=2).choices) == 2
 

@@ -1,7 +1,7 @@
 """Every way a generation request can end early aborts its engine requests at once and is
 counted in /metrics (finished_reason "abort", with its tokens): a stream whose first send fails
-before its body has started, a client leaving mid-stream, a non-streaming client giving up.
-Every wait is bounded."""
+before its body has started, a client leaving mid-stream, a non-streaming client giving up, a
+request past its X-Request-Timeout, an engine that died. Every wait is bounded."""
 
 import asyncio
 import json
@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from hybrid_engine import LLM
+from hybrid_engine.engine_loop import EngineLoop
 from hybrid_engine.serve.app import create_app
 from serve_support import running_server, wait_until_empty
 
@@ -150,3 +151,44 @@ def test_a_non_streaming_client_that_gives_up_is_counted(llm, monkeypatch):
         assert scrape(server, GENERATED) == sum(len(o.token_ids) for o in aborted)
         assert_nothing_held(llm, server.app)
 
+
+# ---- X-Request-Timeout ---------------------------------------------------------------------------
+
+def test_a_request_past_its_timeout_is_aborted_with_a_408(llm):
+    with running_server(llm) as server:
+        headers = {"X-Request-Timeout": "0.5"}
+        start = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json=LONG, headers=headers, timeout=30)
+        assert r.status_code == 408 and "X-Request-Timeout" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 5
+        with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True},
+                          headers=headers, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == 408
+        assert wait_for_metric(server, ABORTS, 2) == 2
+        assert_nothing_held(llm, server.app)
+        for bad in ("soon", "0", "-1", "nan", "inf"):
+            r = httpx.post(server.url + "/v1/completions", json=LONG, headers={"X-Request-Timeout": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout", bad
+        quick = httpx.post(server.url + "/v1/completions", headers={"X-Request-Timeout": "60"},
+                           json={"model": "default", "prompt": PROMPT, "max_tokens": 3}, timeout=30)
+        assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- the engine dies -------------------------------------------------------------------------
+
+def test_requests_of_an_engine_that_died_end_with_an_error(llm, monkeypatch):
+    with running_server(llm) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")   # running
+            monkeypatch.setattr(EngineLoop, "is_dead", property(lambda self: True))
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == 500
+        assert httpx.get(server.url + "/health").status_code == 503
+        r = httpx.post(server.url + "/v1/completions", json=LONG, timeout=30)
+        assert r.status_code == 503 and "engine has stopped" in r.json()["error"]["message"]
+        monkeypatch.undo()
+        assert_nothing_held(llm, server.app)
+        assert httpx.get(server.url + "/health").status_code == 200

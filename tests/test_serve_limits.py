@@ -1,7 +1,8 @@
 """What keeps one client from stalling the others: a prompt far longer than the context is
 refused before it is tokenized, and tokenizing runs off the event loop, so /health answers
-at once meanwhile. Every wait is bounded."""
+at once meanwhile; a full server answers 503 with Retry-After. Every wait is bounded."""
 
+import contextlib
 import re
 import threading
 import time
@@ -10,7 +11,9 @@ import httpx
 import pytest
 
 from hybrid_engine import LLM
-from serve_support import running_server
+from hybrid_engine.serve.app import create_app
+from hybrid_engine.serve.server import BackgroundServer
+from serve_support import running_server, wait_until_empty
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +76,21 @@ def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
 
+
+def test_a_full_server_answers_503_with_retry_after_until_a_place_frees(llm):
+    app = create_app(llm.loop, model_name="default", max_waiting_requests=1)   # 4 running + 1 waiting
+    long = {"model": "default", "prompt": "x = 1", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with BackgroundServer(app) as s, httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
+        for _ in range(5):
+            assert streams.enter_context(http.stream("POST", s.url + "/v1/completions", json=long)).status_code == 200
+        r = http.post(s.url + "/v1/completions", json={**long, "stream": False})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert "overloaded" in r.json()["error"]["message"]
+        streams.pop_all().close()   # the clients leave: their places are freed as the server sees them go
+        deadline = time.monotonic() + 10
+        while app.state.serve.client.num_pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = http.post(s.url + "/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+        usage = wait_until_empty(llm.loop, timeout=10)
+        assert (usage["blocks_used"], usage["num_engine_requests"]) == (0, 0)

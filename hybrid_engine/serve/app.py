@@ -13,12 +13,18 @@ stalls the other clients) and submitted before any response byte: a bad one is a
 never reaches (or disturbs) the running batch. From its submission on, one Generation holds the
 request's engine requests, and whatever ends the response (its end, an error, the client
 leaving at any point) closes it, which aborts what still runs.
+
+A client may bound a generation request's time with the header `X-Request-Timeout: SECONDS`
+(counted from its arrival): past it the request is aborted, and answered 408 (a stream ends
+with an error event and [DONE]).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import math
+import time
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -32,21 +38,21 @@ from . import chat, completions
 from .chat_template import render_chat
 from .engine_client import EngineClient
 from .errors import APIError, bad_request_from_validation, error_response, lone_surrogate_error
+from .limits import DEFAULT_MAX_WAITING_REQUESTS
 from .metrics import ServerMetrics, read_engine_gauges
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse, now)
 from .sse import DONE, EventStreamResponse, event
 
-# Engine requests (choices) this server keeps open at once before answering 503.
-DEFAULT_MAX_PENDING_REQUESTS = 4096
+TIMEOUT_HEADER = "x-request-timeout"
 
 
 class ServeState:
     """What the routes share: the served name, and the engine client once the model has loaded."""
 
-    def __init__(self, model_name: str, max_pending_requests: int):
+    def __init__(self, model_name: str, max_waiting_requests: int):
         self.model_name = model_name
-        self.max_pending_requests = max_pending_requests
+        self.max_waiting_requests = max_waiting_requests
         self.client: EngineClient | None = None
         self.metrics: ServerMetrics | None = None
         self.created = now()
@@ -54,6 +60,7 @@ class ServeState:
     def ready_client(self) -> EngineClient:
         if self.client is None:
             raise APIError(503, "the model is still loading; retry when /health answers 200")
+        self.client.check_admitting()
         return self.client
 
     def check_model(self, name: str | None) -> None:
@@ -63,9 +70,9 @@ class ServeState:
 
 def create_app(engine_loop=None, model_name: str = "default", api_key: str | None = None,
                default_params: SamplingParams | None = None,
-               max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> FastAPI:
+               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> FastAPI:
     app = FastAPI(title="hybrid-engine", docs_url=None, redoc_url=None, openapi_url=None)
-    state = app.state.serve = ServeState(model_name, max_pending_requests)
+    state = app.state.serve = ServeState(model_name, max_waiting_requests)
     if engine_loop is not None:
         attach_engine(app, engine_loop, default_params)
 
@@ -86,8 +93,10 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
 
     @app.get("/health")
     async def health():
-        if state.client is None:
-            return error_response(503, "the model is still loading")
+        try:
+            state.ready_client()
+        except APIError as e:
+            return e.response()
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -105,6 +114,7 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
         return await _generate(request, ChatCompletionRequest, chat)
 
     async def _generate(request: Request, model_cls, endpoint):
+        deadline = _deadline(request)
         req = await _parse(request, model_cls)
         state.check_model(req.model)
         client = state.ready_client()
@@ -112,7 +122,7 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
             raise APIError(400, "stream_options: only allowed with stream true", "stream_options")
         try:
             plan = await asyncio.to_thread(endpoint.prepare, req, client)
-            gen = client.generate(plan.choices, plan.request_id)
+            gen = client.generate(plan.choices, plan.request_id, deadline)
         except ValueError as e:   # the engine's validation: the message names the field
             raise APIError(400, str(e)) from None
         # From here on every way out closes gen (nothing awaits before the response takes it).
@@ -153,7 +163,7 @@ def create_app(engine_loop=None, model_name: str = "default", api_key: str | Non
     @app.get("/metrics")
     async def metrics():
         gauges = None
-        if state.client is not None:
+        if state.client is not None and not state.client.engine_loop.is_dead:   # a dead loop would never answer
             loop = state.client.engine_loop
             gauges = await asyncio.to_thread(loop.run_on_loop, read_engine_gauges)
         body = (state.metrics or ServerMetrics(state.model_name)).render(gauges)
@@ -166,8 +176,23 @@ def attach_engine(app: FastAPI, engine_loop, default_params: SamplingParams | No
     """The model has loaded: serve it."""
     state: ServeState = app.state.serve
     state.metrics = ServerMetrics(state.model_name, engine_loop.engine.num_speculative_tokens)
-    state.client = EngineClient(engine_loop, state.metrics, state.max_pending_requests,
+    state.client = EngineClient(engine_loop, state.metrics, state.max_waiting_requests,
                                 default_params or SamplingParams())
+
+
+def _deadline(request: Request) -> float | None:
+    """X-Request-Timeout (seconds, from now) as a time.monotonic() deadline."""
+    given = request.headers.get(TIMEOUT_HEADER)
+    if given is None:
+        return None
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise APIError(400, f"X-Request-Timeout: must be a positive number of seconds, got {given!r}",
+                       "X-Request-Timeout")
+    return time.monotonic() + seconds
 
 
 async def _parse(request: Request, model_cls):
@@ -195,9 +220,9 @@ async def _guarded(events):
         async for chunk in events:
             yield chunk
     except Exception as e:
-        status = 400 if isinstance(e, ValueError) else 500
-        yield event({"error": {"message": str(e) or type(e).__name__, "type": "InternalServerError"
-                               if status == 500 else "BadRequestError", "param": None, "code": status}})
+        if not isinstance(e, APIError):
+            e = APIError(400 if isinstance(e, ValueError) else 500, str(e) or type(e).__name__)
+        yield event(e.body())
         yield DONE
     finally:
         await events.aclose()

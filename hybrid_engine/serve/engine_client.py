@@ -1,5 +1,5 @@
 """The HTTP handlers' side of the EngineLoop: admit a request, submit its choices, await their
-outputs; and the server's view of what is in flight.
+outputs; and the server's view of what is in flight (for backpressure, a dead engine, shutdown).
 
 Each choice is one engine request. The loop thread hands its outputs to this asyncio loop
 through call_soon_threadsafe, so a handler awaits a queue and never blocks the event loop.
@@ -17,11 +17,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from hybrid_engine.engine_loop import EngineDeadError
 from hybrid_engine.sampling_params import SamplingParams
 
 from .errors import APIError
+from .limits import RETRY_AFTER_SECONDS
 from .metrics import ServerMetrics
 from .sampling import prompt_char_limit
+
+# How often a dead engine is looked for while requests are in flight.
+ENGINE_CHECK_SECONDS = 0.5
 
 
 @dataclass
@@ -32,32 +37,65 @@ class Choice:
 
 
 class EngineClient:
-    def __init__(self, engine_loop, metrics: ServerMetrics, max_pending_requests: int,
+    def __init__(self, engine_loop, metrics: ServerMetrics, max_waiting_requests: int,
                  default_params: SamplingParams):
         self.engine_loop = engine_loop
         self.default_params = default_params   # for the sampling fields a request leaves out
         self.engine = engine_loop.engine
         self.metrics = metrics
-        self.max_pending_requests = max_pending_requests
+        self.max_pending_requests = self.engine.config.max_num_seqs + max_waiting_requests
         # Event-loop thread only:
         self.num_pending = 0     # engine requests this server has open
         self.live: set[Generation] = set()
+        self._watch: asyncio.Task | None = None
         self.vocab = self.engine.tokenizer.get_vocab() if self.engine.tokenizer is not None else {}
         self.prompt_char_limit = prompt_char_limit(self.vocab, self.engine.max_model_len)
 
-    def generate(self, choices: list[Choice], request_id: str) -> Generation:
+    def check_admitting(self) -> None:
+        if self.engine_loop.is_dead:
+            raise APIError(503, "the engine has stopped after an internal error; this server cannot serve")
+
+    def generate(self, choices: list[Choice], request_id: str, deadline: float | None = None) -> Generation:
         """Submits every choice, or none: a ValueError from the engine's validation (naming the
-        field) closes the ones already submitted and propagates."""
+        field) closes the ones already submitted and propagates. With a deadline (time.monotonic),
+        the generation fails with a 408 when it passes."""
+        self.check_admitting()
         if self.num_pending + len(choices) > self.max_pending_requests:
             raise APIError(503, f"the server is overloaded: {self.num_pending} requests are in flight "
-                                f"(at most {self.max_pending_requests}); retry later")
-        return Generation(self, choices, request_id)
+                                f"(at most {self.max_pending_requests}); retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        try:
+            gen = Generation(self, choices, request_id)
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine has stopped: {e}") from None
+        if deadline is not None:
+            gen.fail_at(deadline, APIError(408, "the request ran past its X-Request-Timeout"))
+        self._watch_engine()
+        return gen
+
+    def _watch_engine(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._fail_all_if_engine_dies())
+
+    async def _fail_all_if_engine_dies(self) -> None:
+        # A dying loop hands every consumer an EngineDeadError; a loop thread that ended
+        # without doing so (which the loop's own callers' liveness check allows for) would
+        # leave these requests waiting forever.
+        while self.live:
+            await asyncio.sleep(ENGINE_CHECK_SECONDS)
+            if self.engine_loop.is_dead:
+                self.fail_all(APIError(500, "the engine stopped after an internal error"))
+
+    def fail_all(self, error: APIError) -> None:
+        for gen in list(self.live):
+            gen.fail(error)
 
 
 class Generation:
     """Async iterator over (choice index, RequestOutput) until every choice has finished.
 
-    close() (idempotent) aborts what still runs."""
+    close() (idempotent) aborts what still runs. fail(error) makes the iteration raise error
+    (a timeout, shutdown, a dead engine); the consumer's own close() then aborts the choices."""
 
     def __init__(self, client: EngineClient, choices: list[Choice], request_id: str):
         self.client, self.choices = client, choices
@@ -68,6 +106,7 @@ class Generation:
         self.last_time = [None] * len(choices)
         self.counted = [False] * len(choices)
         self.num_finished = 0
+        self.timer: asyncio.TimerHandle | None = None
         client.live.add(self)
         try:
             for i, c in enumerate(choices):
@@ -102,10 +141,19 @@ class Generation:
                 final[index] = out
         return final
 
+    def fail(self, error: BaseException) -> None:
+        if not self.closed:
+            self.queue.put_nowait((None, error))
+
+    def fail_at(self, deadline: float, error: BaseException) -> None:
+        self.timer = self.aio.call_later(max(deadline - time.monotonic(), 0.0), self.fail, error)
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
         for stream in self.streams:
             stream.close()      # aborts the request unless it has finished
         self.client.num_pending -= len(self.streams)

@@ -2,7 +2,9 @@
 
 400: a bad request (malformed JSON, a wrong type, an unknown field, a value the engine's
 validation refuses: its message names the field); 401: a missing or wrong API key; 404: an
-unknown model or path; 503: the model is still loading or the server holds too many requests.
+unknown model or path; 408: the request ran past its X-Request-Timeout; 500: an engine fault;
+503: the model is still loading, its engine has stopped, or the server holds too many
+requests (then with a Retry-After header).
 """
 
 from __future__ import annotations
@@ -16,22 +18,29 @@ from pydantic import ValidationError
 from .protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+          405: "MethodNotAllowed", 408: "RequestTimeoutError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param)
+        return error_response(self.status, self.message, self.param, self.headers)
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "Error"),
-                                         param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "Error"),
+                                         param=param, code=status)).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def bad_request_from_validation(e: ValidationError) -> APIError:
