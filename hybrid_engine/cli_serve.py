@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 
 from .cli import CLIError, add_engine_arguments, build_llm
-from .serve.limits import DEFAULT_MAX_WAITING_REQUESTS
+from .serve.limits import DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT
 
 NAME = "serve"
 HELP = "serve the model over an OpenAI-compatible HTTP API"
@@ -17,7 +18,10 @@ while the model loads, then 200). Binds to 127.0.0.1 unless --host says otherwis
 
 Up to --max-num-seqs requests run at once and --max-waiting-requests more wait their turn;
 beyond that a request is answered 503 with `Retry-After`. A client may bound a request's time
-with the header `X-Request-Timeout: SECONDS` (then 408).
+with the header `X-Request-Timeout: SECONDS` (then 408). SIGTERM or Ctrl-C stops admitting
+(503), lets the requests in flight finish for up to --shutdown-timeout seconds, aborts the rest
+(a stream ends with an error event and [DONE]) and exits (0 after SIGTERM, 130 after Ctrl-C);
+a second signal stops the wait at once.
 
   hybrid-engine serve --port 8000
   hybrid-engine serve --model /path/to/hf_folder --speculative-tokens 2 --api-key secret
@@ -46,6 +50,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                    help="requests that may wait for a place in the batch before new ones get 503 "
                         f"(default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="at SIGTERM / Ctrl-C, how long requests in flight may run on before they are "
+                        f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
 
@@ -58,11 +65,13 @@ def run(args) -> int:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
     if args.max_waiting_requests < 0:
         raise CLIError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if not args.shutdown_timeout >= 0:
+        raise CLIError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = create_app(None, model_name=name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
     sock = bind(args.host, args.port)   # fails now, before the model loads, if the port is taken
     host, port = sock.getsockname()[:2]
-    server = make_server(app, args.log_level)
+    server = make_server(app, args.log_level, args.shutdown_timeout)
     loaded: dict = {}
 
     def load() -> None:
@@ -86,4 +95,6 @@ def run(args) -> int:
             loaded["llm"].shutdown()
     if "error" in loaded:
         raise loaded["error"]
+    if server.signals[:1] == [signal.SIGINT]:
+        raise KeyboardInterrupt   # the CLI's Ctrl-C: one line, exit code 130
     return 0

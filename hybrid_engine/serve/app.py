@@ -25,6 +25,7 @@ import asyncio
 import hmac
 import math
 import time
+from collections.abc import Callable
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -62,6 +63,12 @@ class ServeState:
             raise APIError(503, "the model is still loading; retry when /health answers 200")
         self.client.check_admitting()
         return self.client
+
+    async def drain(self, timeout: float, stop_now: Callable[[], bool]) -> None:
+        """Shutdown (server.py): new requests get 503 from now on, requests in flight get up to
+        timeout seconds to finish, the rest are aborted with an error."""
+        if self.client is not None:   # else the model is still loading: nothing to wait for
+            await self.client.drain(timeout, stop_now)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybrid_engine.engine_loop import EngineDeadError
@@ -27,6 +28,8 @@ from .sampling import prompt_char_limit
 
 # How often a dead engine is looked for while requests are in flight.
 ENGINE_CHECK_SECONDS = 0.5
+# After the drain has failed what was left, how long the responses get to send their ending.
+_FAILED_RESPONSES_SECONDS = 1.0
 
 
 @dataclass
@@ -47,11 +50,14 @@ class EngineClient:
         # Event-loop thread only:
         self.num_pending = 0     # engine requests this server has open
         self.live: set[Generation] = set()
+        self.admitting = True    # False once shutdown has begun
         self._watch: asyncio.Task | None = None
         self.vocab = self.engine.tokenizer.get_vocab() if self.engine.tokenizer is not None else {}
         self.prompt_char_limit = prompt_char_limit(self.vocab, self.engine.max_model_len)
 
     def check_admitting(self) -> None:
+        if not self.admitting:
+            raise APIError(503, "the server is shutting down")
         if self.engine_loop.is_dead:
             raise APIError(503, "the engine has stopped after an internal error; this server cannot serve")
 
@@ -89,6 +95,19 @@ class EngineClient:
     def fail_all(self, error: APIError) -> None:
         for gen in list(self.live):
             gen.fail(error)
+
+    async def drain(self, timeout: float, stop_now: Callable[[], bool]) -> None:
+        """Shutdown: admits nothing more, lets the requests in flight finish for up to timeout
+        seconds (or until stop_now()), then fails the rest with a 503 and gives their responses
+        a moment to send that ending."""
+        self.admitting = False
+        deadline = time.monotonic() + timeout
+        while self.live and time.monotonic() < deadline and not stop_now():
+            await asyncio.sleep(0.05)
+        self.fail_all(APIError(503, "the server shut down before this request finished"))
+        deadline = time.monotonic() + _FAILED_RESPONSES_SECONDS
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
 
 class Generation:

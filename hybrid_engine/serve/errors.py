@@ -3,8 +3,8 @@
 400: a bad request (malformed JSON, a wrong type, an unknown field, a value the engine's
 validation refuses: its message names the field); 401: a missing or wrong API key; 404: an
 unknown model or path; 408: the request ran past its X-Request-Timeout; 500: an engine fault;
-503: the model is still loading, its engine has stopped, or the server holds too many
-requests (then with a Retry-After header).
+503: the model is still loading, the server is shutting down, its engine has stopped, or it
+holds too many requests (then with a Retry-After header).
 """
 
 from __future__ import annotations

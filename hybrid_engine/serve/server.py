@@ -1,12 +1,29 @@
 """Running the app under uvicorn: in the foreground (the CLI) or on a background thread (tests,
-benchmarks, notebooks), always on a socket bound here so port 0 picks a free port."""
+benchmarks, notebooks), always on a socket bound here so port 0 picks a free port.
+
+Shutdown drains before uvicorn's own: on SIGTERM or Ctrl-C (or should_exit) the server keeps
+listening, but answers 503 to new requests (and /health), lets the requests in flight finish
+for up to shutdown_timeout seconds, and aborts the rest with an error their clients see (an
+error event and [DONE] on a stream); only then does uvicorn close the connections, so no
+response is cut and no task is cancelled. A second signal ends the wait at once.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
 import socket
 import threading
 
 import uvicorn
+
+from .limits import DEFAULT_SHUTDOWN_TIMEOUT
+
+# uvicorn's own wait for the connections to close, after the drain: every response has ended
+# by then, so this only bounds a client slow to take the last bytes.
+_UVICORN_GRACE_SECONDS = 2
+_log = logging.getLogger("uvicorn.error")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -25,21 +42,60 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app, log_level: str = "warning") -> uvicorn.Server:
-    # One worker process: the engine lives in this process. timeout_graceful_shutdown: open
-    # streams are cut at shutdown instead of waiting for them to finish.
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2,
-                            lifespan="off")
-    return uvicorn.Server(config)
+class DrainingServer(uvicorn.Server):
+    """uvicorn with the drain described above. `signals` lists the signals it received."""
+
+    def __init__(self, app, log_level: str, shutdown_timeout: float):
+        # One worker process: the engine lives in this process.
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS)
+        super().__init__(config)
+        self.serve_state = app.state.serve
+        self.shutdown_timeout = shutdown_timeout
+        self.signals: list[int] = []
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        if self.should_exit:   # a second signal: stop waiting for the requests in flight
+            self.force_exit = True
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, less its raising the signal again at the end (SIGTERM would kill the
+        process before the engine is shut down): the caller reads `signals` instead."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def main_loop(self) -> None:
+        await super().main_loop()   # returns once should_exit
+        in_flight = len(self.serve_state.client.live) if self.serve_state.client is not None else 0
+        if in_flight:
+            _log.info("Draining: waiting up to %g s for %d requests in flight (signal again to stop now)",
+                      self.shutdown_timeout, in_flight)
+        await self.serve_state.drain(self.shutdown_timeout, lambda: self.force_exit)
+
+
+def make_server(app, log_level: str = "warning",
+                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> DrainingServer:
+    return DrainingServer(app, log_level, shutdown_timeout)
 
 
 class BackgroundServer:
     """uvicorn on a daemon thread: `with BackgroundServer(app) as s: openai.OpenAI(base_url=s.url + "/v1")`."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 shutdown_timeout: float = 0.0):
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = make_server(app, log_level)
+        self.server = make_server(app, log_level, shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="hybrid-engine-http", daemon=True)
 
