@@ -207,8 +207,8 @@ def _post(server, path, body, key=None):
     ("/v1/completions", '{"model": "default", "prompt": "\\ud800 x"}', "prompt: contains a lone UTF-16 surrogate"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": '
                              '"a\\udc00"}]}', "messages[1].content: contains a lone UTF-16 surrogate"),
-    ("/v1/completions", {"model": "default", "prompt": "x", "stop": [f"s{i}" for i in range(65)]},
-     "stop: at most 64 stop strings, got 65"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "stop": [f"s{i}" for i in range(257)]},
+     "stop: at most 256 stop strings, got 257"),
     ("/tokenize", {"model": "default"}, "exactly one of prompt and messages"),
     ("/detokenize", {"model": "default", "tokens": [-1]}, "tokens"),
 ])
