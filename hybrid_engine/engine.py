@@ -8,7 +8,6 @@ hybrid_engine/step_update.py applies all of it (tokens, stops, commits, frees) i
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import numbers
@@ -31,7 +30,7 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
-from .request_group import RequestGroup, sample_request_id
+from .request_group import RequestGroup, check_caller_request_id, new_request_id, sample_request_id
 from .sampler import Sampler, SamplingRow, greedy_token_ids
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -164,7 +163,6 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self.requests: dict[str, Request] = {}         # every sequence, by its own id
         self.groups: dict[str, RequestGroup] = {}      # requests with n > 1, by the caller's id
-        self._ids = itertools.count()
         self.eos_token_ids = list(self.model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
@@ -308,11 +306,9 @@ class LLMEngine:
                 raise ValueError("prompt_text goes with a token-id prompt, not a text one")
             text = prompt_text
         if request_id is None:
-            # Automatic ids skip any id in use, whoever chose it.
-            request_id = str(next(self._ids))
-            while self._id_in_use(request_id):
-                request_id = str(next(self._ids))
+            request_id = new_request_id(self._id_in_use)
         request_id = str(request_id)
+        check_caller_request_id(request_id)
         if self._id_in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
@@ -320,12 +316,9 @@ class LLMEngine:
             self.requests[request_id] = req
             self.scheduler.add(req)
             return request_id
-        sample_ids = [sample_request_id(request_id, i) for i in range(params.n)]
-        taken = next((sid for sid in sample_ids if self._id_in_use(sid)), None)
-        if taken is not None:
-            raise ValueError(f"request id {request_id!r} with n={params.n} runs sample {taken!r}, "
-                             "an id already in use")
-        samples = [self._new_request(sid, text, ids, params, i) for i, sid in enumerate(sample_ids)]
+        # No caller's id has the samples' form (check_caller_request_id), so theirs are free.
+        samples = [self._new_request(sample_request_id(request_id, i), text, ids, params, i)
+                   for i in range(params.n)]
         self.groups[request_id] = RequestGroup(request_id, samples)
         self.requests.update((s.request_id, s) for s in samples)
         # Sample 0 prefills the shared prefix (hybrid_engine/request_group.py), with or without

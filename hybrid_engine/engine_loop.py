@@ -27,7 +27,6 @@ loop keeps serving every other request.
 from __future__ import annotations
 
 import copy
-import itertools
 import queue
 import threading
 from collections import deque
@@ -37,6 +36,7 @@ from typing import TypeVar
 
 from .engine import LLMEngine
 from .outputs import RequestOutput
+from .request_group import check_caller_request_id, new_request_id
 from .sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -62,7 +62,6 @@ class EngineLoop:
         # Requests submitted and not yet finished, with their consumers. Guarded by _wake, so
         # that a request id is reserved the moment submit() returns.
         self._consumers: dict[str, Consumer] = {}
-        self._auto_ids = itertools.count()
         self._closed = False
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="hybrid-engine-loop",
@@ -94,8 +93,10 @@ class EngineLoop:
         # A private copy: the caller may change or reuse its SamplingParams while this runs.
         params = copy.deepcopy(self._engine.validate_params(params))
         text, token_ids = self._engine.encode_prompt(prompt)
-        if request_id is not None and not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        if request_id is not None:
+            if not isinstance(request_id, str):
+                raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")
+            check_caller_request_id(request_id)
         buffer: queue.SimpleQueue | None = None
         if on_output is None:
             buffer = queue.SimpleQueue()
@@ -147,11 +148,8 @@ class EngineLoop:
 
     def _reserve_id(self, request_id: str | None) -> str:
         if request_id is None:
-            # Automatic ids skip any id in use, whoever chose it.
-            request_id = str(next(self._auto_ids))
-            while request_id in self._consumers:
-                request_id = str(next(self._auto_ids))
-        elif request_id in self._consumers:
+            return new_request_id(self._consumers.__contains__)
+        if request_id in self._consumers:
             raise ValueError(f"request id {request_id!r} is already in use")
         return request_id
 

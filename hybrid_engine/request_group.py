@@ -19,20 +19,47 @@ cache) waits and prefills on its own: n never has to fit at once.
 
 Seeds: sample i is keyed by params.child_seed(i) (seed + i, vLLM's), so the samples differ
 and each equals a lone request with that seed; unseeded, each draws its own from the
-engine's seed source. Ids: sample i of request R runs as f"{i}_{R}" (vLLM's child ids);
-its outputs are merged back into R's (`merge`), and aborting R aborts all of them.
+engine's seed source. Ids: sample i of request R runs as f"{R}#sample{i}"; its outputs are
+merged back into R's (`merge`), and aborting R aborts all of them.
+
+Request ids, made and checked here for the engine and the engine loop alike: a caller may
+choose any str but one of the samples' form, which the engine keeps for itself, so that no
+sample can take a caller's id ("0_5", vLLM's form of the child ids, is a plausible id of a
+caller's own); automatic ids are numbers, skipping any id in use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
+from collections.abc import Callable
 
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request
 
+_SAMPLE_ID = re.compile(r".*#sample[0-9]+", re.DOTALL)
+# One count for the process: next() on it is atomic, so callers on any thread may share it.
+_automatic_ids = itertools.count()
+
 
 def sample_request_id(request_id: str, index: int) -> str:
-    return f"{index}_{request_id}"
+    return f"{request_id}#sample{index}"
+
+
+def check_caller_request_id(request_id: str) -> None:
+    """ValueError if a caller's id has the form the engine keeps for the n samples' ids."""
+    if _SAMPLE_ID.fullmatch(request_id):
+        raise ValueError(f"request id {request_id!r} ends in '#sample<number>', the form of the ids the "
+                         "engine gives the n samples of a request; choose another")
+
+
+def new_request_id(in_use: Callable[[str], bool]) -> str:
+    """An automatic request id: the next number that is not in use, whoever chose it."""
+    request_id = str(next(_automatic_ids))
+    while in_use(request_id):
+        request_id = str(next(_automatic_ids))
+    return request_id
 
 
 class RequestGroup:

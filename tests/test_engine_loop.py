@@ -129,6 +129,19 @@ def test_automatic_ids_never_collide_with_chosen_ones(ckpt):
     loop.shutdown()
 
 
+def test_a_callers_id_never_collides_with_a_samples_id(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32"))
+    engine.add_request([1, 2, 3], greedy(3), "0_5")                   # vLLM's form of sample 0 of "5"
+    engine.add_request([4, 5], SamplingParams(n=2, max_tokens=3, ignore_eos=True, seed=0), "5")
+    with pytest.raises(ValueError, match="'x#sample1' ends in '#sample<number>'"):
+        engine.add_request([1], greedy(3), "x#sample1")
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert {rid: out.prompt_token_ids for rid, out in finals.items()} == {"0_5": [1, 2, 3], "5": [4, 5]}
+    assert [len(c.token_ids) for c in finals["0_5"].outputs + finals["5"].outputs] == [3, 3, 3]
+
+
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_loop_serves_on(llm, monkeypatch):
     engine = llm.engine
     real_step = engine.step
@@ -158,6 +171,7 @@ def test_a_failing_step_ends_its_requests_with_the_error_and_the_loop_serves_on(
     assert_no_leak(llm)
     monkeypatch.setattr(engine, "step", real_step)
     assert llm.generate([1, 2, 3], greedy(4), use_tqdm=False)[0].token_ids == received[-1].token_ids
+
 
 def test_submit_validates_in_the_callers_thread_and_queues_nothing(llm):
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -183,14 +183,12 @@ def test_n_must_be_a_positive_int(llm, n):
 def test_an_id_one_of_n_samples_runs_under_is_refused(llm):
     engine = llm.loop.run_on_loop(lambda e: e)
     rid = engine.add_request(PROMPT, sampled(n=2), request_id="r")
-    with pytest.raises(ValueError, match="request id '1_r' is already in use"):
-        engine.add_request(PROMPT, sampled(n=2), request_id="1_r")
-    other = engine.add_request(PROMPT, sampled(n=1), request_id="0_q")
-    with pytest.raises(ValueError, match="'q' with n=2 runs sample '0_q', an id already in use"):
-        engine.add_request(PROMPT, sampled(n=2), request_id="q")
-    assert engine.abort_request("0_r") is None        # a sample is not a request of its own
+    with pytest.raises(ValueError, match="request id 'r#sample1' ends in '#sample<number>'"):
+        engine.add_request(PROMPT, sampled(n=2), request_id=sample_request_id("r", 1))
+    with pytest.raises(ValueError, match="ends in '#sample<number>'"):
+        llm.loop.submit(PROMPT, sampled(n=1), request_id="q#sample0")
+    assert engine.abort_request(sample_request_id("r", 0)) is None   # a sample is not a request of its own
     engine.abort_request(rid)
-    engine.abort_request(other)
     assert_no_leak(engine)
 
 
