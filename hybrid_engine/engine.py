@@ -33,7 +33,7 @@ from .request import Request
 from .request_group import RequestGroup, check_caller_request_id, new_request_id, sample_request_id
 from .sampler import Sampler, SamplingRow, greedy_token_ids
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .step_inputs import StepInputBuilder, StepInputs
 from .step_update import SegmentResult, StepOutput, StepUpdater, request_output, take_text_delta
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -113,7 +113,23 @@ def parse_speculative_config(spec: dict | None) -> int:
     return k
 
 
+class StepFailedError(RuntimeError):
+    """LLMEngine.step() failed; the requests it was running (request_ids, the callers' ids) are
+    aborted and every other request goes on. The original error is its __cause__."""
+
+    def __init__(self, request_ids: list[str], error: BaseException):
+        super().__init__(f"an engine step failed: {error!r}; its requests {request_ids} were aborted")
+        self.request_ids = request_ids
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (vLLM's name): every pending and later call raises it at once."""
+
+
 class LLMEngine:
+    # Set when cleaning up after a failed step failed too: the engine then refuses to go on.
+    _failure: BaseException | None = None
+
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
@@ -299,6 +315,7 @@ class LLMEngine:
         """Validate and queue one request; a bad one raises ValueError and changes nothing.
         prompt_text: the text a token-id prompt was encoded from, for its outputs (EngineLoop
         tokenizes in the caller's thread, not on the loop's)."""
+        self._check_alive()
         params = self.validate_params(params)
         text, ids = self.encode_prompt(prompt)
         if prompt_text is not None:
@@ -358,7 +375,9 @@ class LLMEngine:
         request_id = str(request_id)
         group = self.groups.pop(request_id, None)
         if group is not None:
-            return group.merge([self._abort(s) for s in group.samples if not s.is_finished])
+            # All of them may have finished in a step that failed before it could say so.
+            aborted = [self._abort(s) for s in group.samples if not s.is_finished]
+            return group.merge(aborted) if aborted else None
         req = self.requests.get(request_id)
         if req is None or req.group is not None:
             return None
@@ -394,8 +413,27 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward for the whole mixed batch; returns outputs of requests that advanced."""
-        sched = self.scheduler.schedule()
+        """One forward for the whole mixed batch; returns outputs of requests that advanced.
+
+        A step that raises leaves nothing half-done: the requests it ran (whose cache and
+        tokens it may have left half-updated) are aborted first, and it raises StepFailedError
+        naming them (from the original error; a KeyboardInterrupt is re-raised as it is); every
+        other request goes on. A step that ran no request (none fits the cache, or scheduling
+        itself failed) aborts every request, or the next step would fail the same way. If that
+        cleanup fails too, the engine's state is unknown: EngineDeadError, now and at every
+        later step() or add_request()."""
+        self._check_alive()
+        batch = None
+        try:
+            batch = self.scheduler.schedule()
+            return self._run_step(batch)
+        except BaseException as error:
+            request_ids = self._abort_failed_step(batch, error)
+            if not isinstance(error, Exception):
+                raise       # KeyboardInterrupt and its kind, as they are
+            raise StepFailedError(request_ids, error) from error
+
+    def _run_step(self, sched: ScheduledBatch) -> list[RequestOutput]:
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no request fits the cache")
@@ -404,19 +442,39 @@ class LLMEngine:
         for req, _ in sched.prefills:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        try:
-            inputs = self.builder.build(sched, self.cache)
-            hidden, logits = self.runner.forward(inputs)
-            results = self._sample(inputs, logits)
-            drafts = self._draft(results, hidden)
-            if self.prefix is not None:
-                self.prefix.take_checkpoints(results, hidden)
-        except BaseException:
-            # The checkpoints reserved for this forward are published already (so that no
-            # request of this schedule could match them); unwritten, they must not be.
-            self.cache.discard_checkpoints([e for caps in sched.captures.values() for _, e in caps])
-            raise
+        inputs = self.builder.build(sched, self.cache)
+        hidden, logits = self.runner.forward(inputs)
+        results = self._sample(inputs, logits)
+        drafts = self._draft(results, hidden)
+        if self.prefix is not None:
+            self.prefix.take_checkpoints(results, hidden)
         return self._caller_outputs(self.updater.update(StepOutput(results, drafts)))
+
+    def _abort_failed_step(self, batch: ScheduledBatch | None, error: BaseException) -> list[str]:
+        """Aborts the failed step's requests (all n samples of each) -> their caller ids."""
+        ran = [req for req, _ in batch.prefills] + batch.decodes if batch is not None else []
+        victims = ran or list(self.requests.values())
+        request_ids = list(dict.fromkeys(req.caller_request_id for req in victims))
+        try:
+            if batch is not None:
+                # The checkpoints reserved for this forward are published already (so that no
+                # request of this schedule could match them); perhaps unwritten, they must not be.
+                self.cache.discard_checkpoints([e for caps in batch.captures.values() for _, e in caps])
+            for request_id in request_ids:
+                self.abort_request(request_id)
+            stuck = [req.request_id for req in victims if not req.is_finished]
+            if stuck:
+                raise RuntimeError(f"requests {stuck} are still scheduled after their abort")
+        except BaseException as cleanup_error:
+            self._failure = cleanup_error
+            raise EngineDeadError(f"an engine step failed ({error!r}) and aborting its requests failed too "
+                                  f"({cleanup_error!r}): the engine's state is unknown") from cleanup_error
+        return request_ids
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(f"the engine cannot go on: cleaning up after a failed step failed "
+                                  f"({self._failure!r})") from self._failure
 
     def _caller_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Per-sequence outputs -> one per caller's request: the outputs of a request's n
