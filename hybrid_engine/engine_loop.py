@@ -17,11 +17,20 @@ verified: GOMP_SPINCOUNT did not change it). Measured on a
 thread that had run one matrix product was alive. Loading on the caller's thread and stepping
 on the loop thread was such a pair, so `LLM.generate` decoded at half speed.
 
-A step that raises does not end the loop: the requests that were running in it (the ones
-whose cache state the failed step may have left half-written) are aborted and their
-consumers get the exception — a RequestStream raises it from iteration, an `on_output`
-callback is called once with the exception instance instead of a RequestOutput — and the
-loop keeps serving every other request.
+No caller is ever left waiting:
+- A step that raises does not end the loop: the engine has aborted the requests that were
+  running in it (LLMEngine.step, StepFailedError) and their consumers get the exception (a
+  RequestStream raises it from iteration, an `on_output` callback is called once with the
+  exception instance instead of a RequestOutput); every other request goes on. A failure the
+  engine did not report so (a step that raised something else) ends every request it holds.
+- An abort or an add that raises ends that request with the exception; a `run_on_loop`
+  function's exception is raised in its caller; a consumer callback that raises is treated
+  as gone (its request is aborted). The loop goes on after each.
+- If the engine cannot go on (cleaning up after a failed step failed, EngineDeadError) or
+  anything else escapes the loop's body, the loop is dead: `is_dead` turns true, every
+  pending consumer gets an EngineDeadError naming the cause, and every later submit and
+  run_on_loop raises it at once. Callers wait with a liveness check (`receive`): a loop
+  thread that ended without answering them is an EngineDeadError too, never a hang.
 """
 
 from __future__ import annotations
@@ -34,19 +43,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-from .engine import LLMEngine
+from .engine import EngineDeadError, LLMEngine, StepFailedError
 from .outputs import RequestOutput
 from .request_group import check_caller_request_id, new_request_id
 from .sampling_params import SamplingParams
+
+__all__ = ["EngineDeadError", "EngineLoop", "RequestStream", "StepFailedError"]
 
 T = TypeVar("T")
 # What a consumer receives: each output delta of its request, or the exception that ended it.
 Delivery = RequestOutput | BaseException
 Consumer = Callable[[Delivery], None]
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop cannot go on (vLLM's name): every pending and later call raises it at once."""
+# How often a waiting caller checks that the loop thread is still alive.
+LIVENESS_POLL_S = 0.2
 
 
 class EngineLoop:
@@ -63,9 +73,10 @@ class EngineLoop:
         # that a request id is reserved the moment submit() returns.
         self._consumers: dict[str, Consumer] = {}
         self._closed = False
+        self._death: BaseException | None = None    # what ended the loop, once it has died
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name="hybrid-engine-loop",
-                                        daemon=True)   # an interpreter exiting with requests in flight is not held up
+                                        daemon=True)   # exit is not held up by a step that never ends
         self._thread.start()
         self._engine: LLMEngine = built.result()
 
@@ -75,8 +86,9 @@ class EngineLoop:
 
     @property
     def is_dead(self) -> bool:
-        """True once the loop thread has ended for any reason but shutdown()."""
-        return not self._thread.is_alive() and not self._closed
+        """True once the loop has died (module docstring), or its thread has ended other than by
+        shutdown()."""
+        return self._death is not None or (not self._thread.is_alive() and not self._closed)
 
     # ---- callers' side (any thread) ------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -84,9 +96,9 @@ class EngineLoop:
         """Validates in the caller's thread (ValueError naming the problem, nothing queued) and
         hands the request to the loop. With on_output, each RequestOutput delta of this request
         is passed to it on the loop thread (it must not block: e.g. an asyncio server passes
-        `lambda o: aio_loop.call_soon_threadsafe(queue.put_nowait, o)`); if a step fails, it
-        is called once with the exception instead. Without it the outputs are buffered in the
-        returned stream.
+        `lambda o: aio_loop.call_soon_threadsafe(queue.put_nowait, o)`); if the request fails,
+        it is called once with the exception instead. Without it the outputs are buffered in
+        the returned stream. EngineDeadError at once if the loop has died.
 
         With on_output the returned stream is only a handle: close() aborts the request, but
         dropping the handle does not (the callback is the consumer)."""
@@ -102,8 +114,7 @@ class EngineLoop:
             buffer = queue.SimpleQueue()
             on_output = buffer.put
         with self._wake:
-            if self._closed:
-                raise RuntimeError("the engine loop is shut down")
+            self._check_open()
             request_id = self._reserve_id(request_id)
             self._consumers[request_id] = on_output
             self._commands.append(lambda: self._add(request_id, text, token_ids, params))
@@ -113,38 +124,69 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's memory is freed at the loop's next turn."""
         with self._wake:
-            if request_id in self._consumers and not self._closed:
+            if request_id in self._consumers and not self._closed and self._death is None:
                 self._commands.append(lambda: self._abort(request_id))
                 self._wake.notify()
 
     def run_on_loop(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Runs fn(engine) on the loop thread (between steps) and returns its result."""
+        """Runs fn(engine) on the loop thread (between steps) and returns its result (or raises
+        its exception); EngineDeadError if the loop has died, or dies before running it."""
         if threading.current_thread() is self._thread:
             return fn(self._engine)
-        done: Future = Future()
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
 
         def call() -> None:
             try:
-                done.set_result(fn(self._engine))
+                inbox.put((True, fn(self._engine)))
             except BaseException as e:  # handed to the caller, not to the loop
-                done.set_exception(e)
+                inbox.put((False, e))
 
         with self._wake:
-            if self._closed:
-                raise RuntimeError("the engine loop is shut down")
+            self._check_open()
             self._commands.append(call)
             self._wake.notify()
-        return done.result()
+        ok, value = self.receive(inbox)
+        if not ok:
+            raise value
+        return value
 
-    def shutdown(self) -> None:
-        """Aborts every unfinished request (its consumer gets the abort output) and joins the thread."""
+    def receive(self, inbox: queue.SimpleQueue):
+        """The next item the loop puts into `inbox` (a consumer's queue). Waits only while the
+        loop thread lives: once it has ended with nothing more there, raises EngineDeadError
+        (or RuntimeError after shutdown()) instead of waiting forever."""
+        while True:
+            try:
+                return inbox.get(timeout=LIVENESS_POLL_S)
+            except queue.Empty:
+                if self._thread.is_alive():
+                    continue
+            try:   # it may have put the last item just before it ended
+                return inbox.get_nowait()
+            except queue.Empty:
+                raise self._ended_error() from self._death
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Aborts every unfinished request (its consumer gets the abort output) and joins the
+        thread (waiting at most `timeout` seconds, if given, for the step it is in)."""
         with self._wake:
-            if self._closed:
-                return
             self._closed = True
             self._wake.notify()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+
+    def _check_open(self) -> None:
+        """Called holding _wake: a dead or shut-down loop takes nothing more."""
+        if self.is_dead or self._closed:
+            raise self._ended_error() from self._death
+
+    def _ended_error(self) -> RuntimeError:
+        if self._death is not None:
+            error = EngineDeadError(f"the engine loop has died: {self._death!r}")
+            error.__cause__ = self._death
+            return error
+        if self._closed:
+            return RuntimeError("the engine loop is shut down")
+        return EngineDeadError("the engine loop's thread has ended")
 
     def _reserve_id(self, request_id: str | None) -> str:
         if request_id is None:
@@ -161,6 +203,12 @@ class EngineLoop:
             built.set_exception(e)
             return
         built.set_result(self._engine)
+        try:
+            self._serve()
+        except BaseException as e:   # the engine cannot go on, or a fault of the loop itself
+            self._die(e)
+
+    def _serve(self) -> None:
         busy = False
         while True:
             with self._wake:
@@ -169,7 +217,7 @@ class EngineLoop:
                 commands, self._commands = self._commands, deque()
                 closed = self._closed
             for command in commands:
-                command()
+                command()               # each one handles its own errors
             if closed:
                 self._abort_all()
                 return
@@ -186,7 +234,11 @@ class EngineLoop:
             self._deliver_error(request_id, e)
 
     def _abort(self, request_id: str) -> None:
-        out = self._engine.abort_request(request_id)
+        try:
+            out = self._engine.abort_request(request_id)
+        except Exception as e:   # the request is over for its consumer either way
+            self._deliver_error(request_id, e)
+            return
         if out is not None:
             self._deliver(out)
         else:
@@ -200,23 +252,27 @@ class EngineLoop:
             self._abort(request_id)
 
     def _step(self) -> None:
-        # Callers' ids: the n samples of a request fail together, as they abort together.
-        running = [req.caller_request_id for req in self._engine.scheduler.running]
         try:
             outputs = self._engine.step()
+        except StepFailedError as e:   # the engine aborted the step's requests already
+            self._fail(e.request_ids, e)
+            return
+        except EngineDeadError:
+            raise
         except Exception as e:
-            # The step may have been admitting waiting requests too: those are running now.
-            # A step that failed before running any (no request fits) fails them all, or the
-            # loop would raise again at once, forever.
-            failed = set(running) | {req.caller_request_id for req in self._engine.scheduler.running}
-            if not failed:
-                failed = {req.caller_request_id for req in self._engine.requests.values()}
+            # Not the engine's report: what the step left half-done is unknown, so every request
+            # it holds ends (an abort that raises here escapes: the loop dies).
+            failed = list(dict.fromkeys(req.caller_request_id for req in self._engine.requests.values()))
             for request_id in failed:
                 self._engine.abort_request(request_id)
-                self._deliver_error(request_id, e)
+            self._fail(failed, e)
             return
         for out in outputs:
             self._deliver(out)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            self._deliver_error(request_id, error)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._wake:
@@ -225,8 +281,11 @@ class EngineLoop:
             return
         try:
             consumer(out)
-        except Exception:
-            # A consumer that fails is treated as gone: its request stops, the loop goes on.
+        except BaseException:   # the caller's code: whatever it raises must not end the loop
+            # A consumer that fails is treated as gone: its request stops and it is told
+            # nothing more; the loop goes on.
+            with self._wake:
+                self._consumers.pop(out.request_id, None)
             if not out.finished:
                 self._abort(out.request_id)
 
@@ -234,14 +293,28 @@ class EngineLoop:
         with self._wake:
             consumer = self._consumers.pop(request_id, None)
         if consumer is not None:
-            try:
-                consumer(error)
-            except Exception:
-                pass   # the request is over either way; a broken consumer cannot be told more
+            _tell(consumer, error)
+
+    def _die(self, cause: BaseException) -> None:
+        """The loop cannot go on: every pending consumer, and every later caller, is told so."""
+        with self._wake:
+            self._death = cause
+            consumers, self._consumers = self._consumers, {}
+            self._commands.clear()      # run_on_loop callers see the thread end (receive)
+        for consumer in consumers.values():
+            _tell(consumer, self._ended_error())
+
+
+def _tell(consumer: Consumer, error: BaseException) -> None:
+    try:
+        consumer(error)
+    except BaseException:
+        pass   # the request is over either way; a broken consumer cannot be told more
 
 
 class RequestStream:
-    """Iterable over this request's RequestOutput deltas; ends after the finished one.
+    """Iterable over this request's RequestOutput deltas; ends after the finished one, or raises
+    the error that ended the request (EngineDeadError once the loop has died).
 
     Closing it (close(), breaking out of the generator `iter()` returns, or dropping it) aborts
     the request if it has not finished, and its memory is freed at the loop's next turn."""
@@ -257,7 +330,7 @@ class RequestStream:
             raise TypeError("this request's outputs go to its on_output callback; the stream only aborts")
         try:
             while not self._finished:
-                item = self._buffer.get()
+                item = self._loop.receive(self._buffer)
                 if isinstance(item, BaseException):
                     self._finished = True
                     raise item
@@ -274,3 +347,4 @@ class RequestStream:
     def __del__(self) -> None:
         if self._buffer is not None:   # with on_output the callback, not this handle, consumes
             self.close()
+

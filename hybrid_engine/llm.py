@@ -2,7 +2,9 @@
 
 Every call runs through one EngineLoop (hybrid_engine/engine_loop.py), so threads may share
 an LLM: their requests are batched together by the one engine, and each call receives only
-its own requests' outputs.
+its own requests' outputs. No call waits on an engine that cannot answer: a request that
+fails in the engine raises RuntimeError from the engine's error, and once the engine loop
+has died every waiting and later call raises EngineDeadError within moments.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import LLMEngine
-from .engine_loop import EngineLoop
+from .engine_loop import EngineDeadError, EngineLoop
 from .generation_defaults import load_generation_defaults
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -111,7 +113,7 @@ class LLM:
             for prompt, params in checked:
                 unfinished.add(self.loop.submit(prompt, params, on_output=inbox.put).request_id)
             while unfinished:
-                out = _received(inbox.get())
+                out = _received(self.loop.receive(inbox))
                 if out.finished:
                     unfinished.discard(out.request_id)
                 yield out
@@ -138,7 +140,7 @@ class LLM:
             for prompt, params in checked:
                 ids.append(self.loop.submit(prompt, params, on_output=keep_final).request_id)
             while len(final) < len(ids):
-                out = _received(inbox.get())
+                out = _received(self.loop.receive(inbox))
                 final[out.request_id] = out
                 bar.update(1)
         finally:
@@ -198,8 +200,12 @@ def _as_conversations(messages) -> list[list[dict]]:
 
 
 def _received(item) -> RequestOutput:
+    """A consumer's delivery -> the output, or the error that ended its request, raised in a
+    new exception of this call's own (one error may end several calls' requests)."""
+    if isinstance(item, EngineDeadError):
+        raise EngineDeadError(str(item)) from item
     if isinstance(item, BaseException):
-        raise RuntimeError(f"an engine step failed: {item!r}") from item
+        raise RuntimeError(f"a request failed in the engine: {item!r}") from item
     return item
 
 

@@ -1,18 +1,22 @@
-"""Faults injected into the engine: a step that raises (before, inside or after the forward),
-and a cleanup after it that fails. After each, every later output is a clean engine's, or the
-engine refuses to go on."""
+"""Faults injected into the engine and its loop: a step that raises (before, inside or after the
+forward), an abort that raises (alone, or while cleaning up after a failed step), a command
+that raises, a consumer callback that raises, an error escaping the loop's body. After each,
+every later call either works (with a clean engine's tokens) or raises at once; none waits
+forever (each loop test runs under a watchdog)."""
 
 import pytest
 
-from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.engine import EngineDeadError, StepFailedError
 from hybrid_engine.request_group import sample_request_id
 
 from checkpoints import make_hf_model, save_checkpoint
+from watchdog import within
 
 # Longer than a block (16): the prefix cache shares what a failed request committed.
 PROMPTS = {"a": [5, 6, 7, 8, 9] * 8, "b": [11, 12, 13] * 7, "c": [21, 22, 23, 24] * 5}
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
+WATCHDOG_S = 60
 
 
 class InjectedFault(RuntimeError):
@@ -147,3 +151,105 @@ def test_when_cleaning_up_a_failed_step_fails_the_engine_refuses_to_go_on(ckpt, 
         engine.step()
     with pytest.raises(EngineDeadError):
         engine.add_request(PROMPTS["b"], greedy(2))
+
+
+# ---- the engine loop -------------------------------------------------------------------------
+
+@pytest.fixture
+def llm(ckpt):
+    llm = LLM(model=str(ckpt), dtype="float32", max_num_seqs=2, max_num_batched_tokens=128)
+    yield llm
+    llm.shutdown()
+
+
+def generate(llm, prompt, n=12):
+    return list(llm.generate(prompt, greedy(n), use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def assert_no_leak(llm):
+    within(WATCHDOG_S, lambda: llm.loop.run_on_loop(assert_all_free))
+
+
+def assert_dead(llm):
+    """Every call raises EngineDeadError at once."""
+    assert llm.loop.is_dead
+    with pytest.raises(EngineDeadError):
+        within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"]))
+    with pytest.raises(EngineDeadError):
+        within(WATCHDOG_S, lambda: llm.loop.run_on_loop(lambda engine: 1))
+    with pytest.raises(EngineDeadError):
+        llm.loop.submit(PROMPTS["a"], greedy(2))
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_loop_serves_on(llm, clean, monkeypatch):
+    generate(llm, PROMPTS["c"], 2)                      # the loop is idle: the next step is ours
+    fail(monkeypatch, llm.engine.runner, "forward")
+    with pytest.raises(RuntimeError, match="injected") as info:
+        within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"]))
+    assert isinstance(info.value.__cause__, StepFailedError)
+    assert within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"])) == clean[False]["a"]
+    assert_no_leak(llm)
+
+
+def test_an_abort_that_raises_when_a_stream_closes_leaves_the_loop_serving(llm, clean, monkeypatch):
+    fail(monkeypatch, llm.engine, "abort_request")
+    stream = llm.generate_stream(PROMPTS["b"], greedy(3000))
+    within(WATCHDOG_S, lambda: next(stream))
+    stream.close()
+    assert within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"])) == clean[False]["a"]
+    assert not llm.loop.is_dead
+
+
+def test_an_abort_that_raises_while_cleaning_up_a_failed_step_kills_the_loop_and_says_so(llm, monkeypatch):
+    waiting = iter(llm.loop.submit(PROMPTS["b"], greedy(3000)))
+    within(WATCHDOG_S, lambda: next(waiting))
+    fail(monkeypatch, llm.engine.runner, "forward")
+    fail(monkeypatch, llm.engine, "abort_request", times=10**9)
+    with pytest.raises(EngineDeadError, match="state is unknown"):
+        within(WATCHDOG_S, lambda: list(waiting))
+    assert_dead(llm)
+
+
+def test_commands_that_raise_reach_their_caller_and_the_loop_serves_on(llm, clean, monkeypatch):
+    with pytest.raises(ZeroDivisionError):
+        within(WATCHDOG_S, lambda: llm.loop.run_on_loop(lambda engine: 1 // 0))
+    fail(monkeypatch, llm.engine, "add_request")
+    with pytest.raises(RuntimeError, match="injected fault in add_request"):
+        within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"]))
+    assert within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"])) == clean[False]["a"]
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("abort_too", [False, True], ids=["abort-works", "abort-raises"])
+def test_a_consumer_callback_that_raises_ends_only_its_request(llm, clean, monkeypatch, abort_too):
+    calls = []
+
+    def broken_consumer(out):
+        calls.append(out)
+        raise InjectedFault("injected fault in a consumer")
+
+    if abort_too:
+        fail(monkeypatch, llm.engine, "abort_request")
+    llm.loop.submit(PROMPTS["b"], greedy(4), on_output=broken_consumer)
+    assert within(WATCHDOG_S, lambda: generate(llm, PROMPTS["a"])) == clean[False]["a"]
+    assert len(calls) == 1                              # treated as gone after it failed
+    assert_no_leak(llm)                                 # b aborted, or (the abort failed) run out
+
+
+def test_an_error_escaping_the_loops_body_kills_it_and_every_caller_hears(llm, monkeypatch):
+    stream = llm.generate_stream(PROMPTS["b"], greedy(3000))
+    within(WATCHDOG_S, lambda: next(stream))
+    fail(monkeypatch, llm.engine, "has_unfinished_requests", times=10**9)
+    with pytest.raises(EngineDeadError, match="injected"):
+        within(WATCHDOG_S, lambda: list(stream))
+    assert_dead(llm)
+
+
+def test_callers_do_not_wait_on_a_loop_thread_that_ended_without_a_word(llm, monkeypatch):
+    monkeypatch.setattr(llm.loop, "_die", lambda cause: None)   # no consumer is told anything
+    stream = llm.generate_stream(PROMPTS["b"], greedy(3000))
+    within(WATCHDOG_S, lambda: next(stream))
+    fail(monkeypatch, llm.engine, "has_unfinished_requests", times=10**9)
+    with pytest.raises(EngineDeadError, match="thread has ended"):
+        within(WATCHDOG_S, lambda: list(stream))
+    assert_dead(llm)
