@@ -31,13 +31,19 @@ No caller is ever left waiting:
   pending consumer gets an EngineDeadError naming the cause, and every later submit and
   run_on_loop raises it at once. Callers wait with a liveness check (`receive`): a loop
   thread that ended without answering them is an EngineDeadError too, never a hang.
+- At interpreter exit (a script's end, or Ctrl-C) every live loop is shut down and its thread
+  joined, within EXIT_JOIN_TIMEOUT_S: a daemon thread still inside a torch / OpenMP op while
+  the interpreter finalises aborted the process ("terminate called without an active
+  exception", exit code 134).
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -57,6 +63,8 @@ Consumer = Callable[[Delivery], None]
 
 # How often a waiting caller checks that the loop thread is still alive.
 LIVENESS_POLL_S = 0.2
+# How long interpreter exit waits for each loop to finish its step and abort what runs.
+EXIT_JOIN_TIMEOUT_S = 30.0
 
 
 class EngineLoop:
@@ -79,6 +87,7 @@ class EngineLoop:
                                         daemon=True)   # exit is not held up by a step that never ends
         self._thread.start()
         self._engine: LLMEngine = built.result()
+        _live_loops.add(self)
 
     @property
     def engine(self) -> LLMEngine:
@@ -348,3 +357,15 @@ class RequestStream:
         if self._buffer is not None:   # with on_output the callback, not this handle, consumes
             self.close()
 
+
+# Every loop whose thread may be running; weak, so that a dropped loop is not kept.
+_live_loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_live_loops() -> None:
+    """At interpreter exit (after the script's non-daemon threads have ended, before the
+    interpreter finalises): each loop finishes its step, aborts what runs and ends. Registered
+    after torch's own exit handlers (this module imports torch first), so it runs before them."""
+    for loop in list(_live_loops):
+        loop.shutdown(EXIT_JOIN_TIMEOUT_S)
