@@ -8,7 +8,8 @@ import inside its own error handling, and Ctrl-C during start-up is a clean "int
 from importlib import import_module
 
 _EXPORTS = {"LLM": ".llm", "LLMEngine": ".engine", "EngineConfig": ".config",
-            "RequestOutput": ".outputs", "SamplingParams": ".sampling_params"}
+            "RequestOutput": ".outputs", "SamplingParams": ".sampling_params",
+            "EngineDeadError": ".engine", "StepFailedError": ".engine"}
 
 __all__ = list(_EXPORTS)
 

@@ -30,7 +30,7 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
-from .request_group import RequestGroup, check_caller_request_id, new_request_id, sample_request_id
+from .request_group import AutomaticRequestIds, RequestGroup, check_caller_request_id, sample_request_id
 from .sampler import Sampler, SamplingRow, greedy_token_ids
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -179,6 +179,7 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self.requests: dict[str, Request] = {}         # every sequence, by its own id
         self.groups: dict[str, RequestGroup] = {}      # requests with n > 1, by the caller's id
+        self.request_ids = AutomaticRequestIds()       # for requests added without an id
         self.eos_token_ids = list(self.model_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
@@ -323,7 +324,7 @@ class LLMEngine:
                 raise ValueError("prompt_text goes with a token-id prompt, not a text one")
             text = prompt_text
         if request_id is None:
-            request_id = new_request_id(self._id_in_use)
+            request_id = self.request_ids.new(self._id_in_use)
         request_id = str(request_id)
         check_caller_request_id(request_id)
         if self._id_in_use(request_id):

@@ -51,7 +51,7 @@ from typing import TypeVar
 
 from .engine import EngineDeadError, LLMEngine, StepFailedError
 from .outputs import RequestOutput
-from .request_group import check_caller_request_id, new_request_id
+from .request_group import check_caller_request_id
 from .sampling_params import SamplingParams
 
 __all__ = ["EngineDeadError", "EngineLoop", "RequestStream", "StepFailedError"]
@@ -199,7 +199,7 @@ class EngineLoop:
 
     def _reserve_id(self, request_id: str | None) -> str:
         if request_id is None:
-            return new_request_id(self._consumers.__contains__)
+            return self._engine.request_ids.new(self._consumers.__contains__)
         if request_id in self._consumers:
             raise ValueError(f"request id {request_id!r} is already in use")
         return request_id

@@ -39,8 +39,6 @@ from .outputs import CompletionOutput, RequestOutput
 from .request import Request
 
 _SAMPLE_ID = re.compile(r".*#sample[0-9]+", re.DOTALL)
-# One count for the process: next() on it is atomic, so callers on any thread may share it.
-_automatic_ids = itertools.count()
 
 
 def sample_request_id(request_id: str, index: int) -> str:
@@ -54,12 +52,18 @@ def check_caller_request_id(request_id: str) -> None:
                          "engine gives the n samples of a request; choose another")
 
 
-def new_request_id(in_use: Callable[[str], bool]) -> str:
-    """An automatic request id: the next number that is not in use, whoever chose it."""
-    request_id = str(next(_automatic_ids))
-    while in_use(request_id):
-        request_id = str(next(_automatic_ids))
-    return request_id
+class AutomaticRequestIds:
+    """One engine's automatic request ids: "0", "1", ... skipping any id in use, whoever chose
+    it. next() on the count is atomic, so the engine loop may draw ids on callers' threads."""
+
+    def __init__(self):
+        self._count = itertools.count()
+
+    def new(self, in_use: Callable[[str], bool]) -> str:
+        request_id = str(next(self._count))
+        while in_use(request_id):
+            request_id = str(next(self._count))
+        return request_id
 
 
 class RequestGroup:
