@@ -13,7 +13,7 @@ import pytest
 from hybrid_engine import LLM
 from hybrid_engine.engine_loop import EngineLoop
 from hybrid_engine.serve.app import create_app
-from serve_support import running_server, wait_until_empty
+from serve_support import record_aborts, running_server, wait_until_empty
 
 PROMPT = "def read_config(path):"
 LONG = {"model": "default", "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -46,19 +46,6 @@ def wait_for_metric(server, name: str, value: float, timeout: float = 10.0) -> f
     while (got := scrape(server, name)) != value and time.monotonic() < deadline:
         time.sleep(0.05)
     return got
-
-
-def record_aborts(engine, monkeypatch) -> list:
-    """The outputs of every abort the engine carries out: what each request held by then."""
-    aborted, abort_request = [], engine.abort_request
-
-    def recording_abort(request_id):
-        out = abort_request(request_id)
-        if out is not None:
-            aborted.append(out)
-        return out
-    monkeypatch.setattr(engine, "abort_request", recording_abort)
-    return aborted
 
 
 def assert_nothing_held(llm, app) -> None:
@@ -192,3 +179,58 @@ def test_requests_of_an_engine_that_died_end_with_an_error(llm, monkeypatch):
         monkeypatch.undo()
         assert_nothing_held(llm, server.app)
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---- faults inside the engine: answers or 5xx, never a hang --------------------------------------
+
+def _fail_once(monkeypatch, obj, name: str) -> list:
+    """obj.name raises RuntimeError on its first call, then works; returns the calls' count."""
+    calls, original = [], getattr(obj, name)
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(f"injected fault in {name}")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(obj, name, failing)
+    return calls
+
+
+def test_a_step_fault_fails_the_requests_in_it_with_5xx_and_the_server_serves_on(llm, monkeypatch):
+    with running_server(llm) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")   # running
+            _fail_once(monkeypatch, llm.engine.runner, "forward")
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == 500
+        _fail_once(monkeypatch, llm.engine.runner, "forward")
+        r = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        monkeypatch.undo()
+        after = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        assert httpx.get(server.url + "/metrics", timeout=5).status_code == 200
+        assert_nothing_held(llm, server.app)
+
+
+def test_an_abort_that_raises_after_a_disconnect_leaves_completions_and_metrics_answering(llm, monkeypatch):
+    """The issue's repro: a mid-stream disconnect whose abort raises killed the loop thread, and
+    then /health said 200 while completions and /metrics hung."""
+    with running_server(llm) as server:
+        calls = _fail_once(monkeypatch, llm.engine, "abort_request")
+        # Its abort fails, so the request runs on to its max_tokens with nobody reading it.
+        short = {**LONG, "max_tokens": 64, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=short, timeout=30) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:   # the disconnect reaches the loop
+            time.sleep(0.05)
+        assert calls, "the disconnect did not abort the request"
+        r = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(server.url + "/metrics", timeout=5).status_code == 200
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        monkeypatch.undo()
+        assert_nothing_held(llm, server.app)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from hybrid_engine import LLM
-from serve_support import cache_usage, client, offline_params, running_server, wait_until_empty
+from serve_support import cache_usage, client, offline_params, record_aborts, running_server, wait_until_empty
 
 WORDS = ["def", "class", "import", "return", "for", "while", "if", "with", "try", "yield", "lambda", "print"]
 PROMPTS = [f"{WORDS[i % 12]} {WORDS[(i * 5 + 1) % 12]}_{i}(" for i in range(64)]
@@ -63,19 +63,6 @@ def test_64_concurrent_streams_equal_offline_greedy(llms):
         drafts = [line for line in mtp_metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
         assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0
         assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="default",position="1"}' in mtp_metrics
-
-
-def record_aborts(engine, monkeypatch) -> list:
-    """The outputs of every abort the engine carries out: what each request held by then."""
-    aborted, abort_request = [], engine.abort_request
-
-    def recording_abort(request_id):
-        out = abort_request(request_id)
-        if out is not None:
-            aborted.append(out)
-        return out
-    monkeypatch.setattr(engine, "abort_request", recording_abort)
-    return aborted
 
 
 def test_20_clients_disconnecting_mid_stream_leak_nothing(llms, monkeypatch):

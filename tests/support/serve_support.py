@@ -50,3 +50,16 @@ def wait_until_empty(engine_loop, timeout: float = 20.0) -> dict:
                 and not usage["unfinished"]) or time.monotonic() > deadline:
             return usage
         time.sleep(0.05)
+
+
+def record_aborts(engine, monkeypatch) -> list:
+    """The outputs of every abort the engine carries out: what each request held by then."""
+    aborted, abort_request = [], engine.abort_request
+
+    def recording_abort(request_id):
+        out = abort_request(request_id)
+        if out is not None:
+            aborted.append(out)
+        return out
+    monkeypatch.setattr(engine, "abort_request", recording_abort)
+    return aborted
