@@ -3,12 +3,10 @@
 Backpressure: up to --max-num-seqs requests run at once and DEFAULT_MAX_WAITING_REQUESTS more
 (--max-waiting-requests) may wait for a place; a request beyond that is answered 503 with
 `Retry-After: RETRY_AFTER_SECONDS`. Shutdown: requests in flight get DEFAULT_SHUTDOWN_TIMEOUT
-seconds (--shutdown-timeout) to finish. Stop strings: at most MAX_STOP_STRINGS per request
-(OpenAI allows 4, vLLM has no cap), the engine's own cap, refused here before any work with a
-400 naming `stop`.
+seconds (--shutdown-timeout) to finish. (The cap on stop strings is the engine's own,
+sampling_params.MAX_STOP_STRINGS.)
 """
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 RETRY_AFTER_SECONDS = 1
 DEFAULT_SHUTDOWN_TIMEOUT = 20.0   # within Kubernetes' default 30 s grace period
-MAX_STOP_STRINGS = 256   # = the engine's sampling_params.MAX_STOP_STRINGS

@@ -7,7 +7,8 @@ CLI reads from the model's generation_config.json (LLM.get_default_sampling_para
 `vllm serve` does; so a request equals LLM.generate with the same fields. `n` choices are n engine requests; with a seed, choice i uses seed + i, so
 the n choices differ from each other and the whole response is reproducible.
 
-Checked here before any work: at most MAX_STOP_STRINGS stop strings (limits.py), and a text
+Checked here before any work: at most MAX_STOP_STRINGS stop strings (the engine's own cap,
+sampling_params.py), and a text
 prompt far longer than the context can hold is refused before it is tokenized
 (prompt_char_limit).
 """
@@ -16,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybrid_engine.sampling_params import SamplingParams
+from hybrid_engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 from .errors import APIError
-from .limits import MAX_STOP_STRINGS
 from .protocol import SamplingFields
 
 
