@@ -42,6 +42,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import percentiles  # noqa: E402
+
 KINDS = ("stream", "complete", "disconnect", "abandon", "bad", "n", "stop", "prefix")
 STDERR_TAIL: deque[str] = deque(maxlen=40)
 WORDS = ("def", "class", "return", "import", "self", "value", "config", "path", "read", "write", "for", "in",
@@ -185,13 +188,6 @@ class Traffic:
                 self.latency[kind].append(time.perf_counter() - start)
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
 async def soak(args, url: str, pid: int) -> dict:
     traffic = Traffic(url, random.Random(args.seed))
     rss = [(0.0, rss_mib(pid))]
@@ -211,7 +207,7 @@ async def soak(args, url: str, pid: int) -> dict:
     rss.append((round(time.monotonic() - start, 1), rss_mib(pid)))
     return {
         "outcomes": {k: dict(v) for k, v in traffic.outcomes.items()},
-        "latency_s": {k: {"p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "count": len(v)}
+        "latency_s": {k: {**percentiles(v), "count": len(v)}
                       for k, v in traffic.latency.items()},
         "rss_mib": rss,
         "after": {"running": metric_values(metrics, "vllm:num_requests_running"),
