@@ -91,3 +91,11 @@ def test_the_automaton_follows_the_stop_list():
     assert p.stop_strings.stops == ["c"]
     copied = copy.deepcopy(p)               # immutable once built: copies share it
     assert copied.stop_strings is p.stop_strings and copied.stop == p.stop and copied.stop is not p.stop
+
+
+def test_the_servers_streamed_text_never_sends_a_piece_of_a_stop_string():
+    from hybrid_engine.serve.text_stream import StreamedText
+    stream = StreamedText(StopStrings(["</end>", "STOP"]))
+    sent = [stream.delta(text, finished=False) for text in ("ab<", "ab</e", "ab</x", "ab</xS", "ab</xST")]
+    assert sent == ["ab", "", "</x", "", ""]
+    assert stream.delta("ab</xST", finished=True) == "ST"

@@ -110,7 +110,7 @@ async def events(req: ChatCompletionRequest, plan: ChatPlan, gen: Generation, cl
     """The SSE body. Closing the generation is the caller's (app.py), whatever becomes of this."""
     created, tok, rid = now(), client.engine.tokenizer, plan.request_id
     n = len(plan.choices)
-    texts = [StreamedText(c.params.stop) for c in plan.choices]
+    texts = [StreamedText(c.params.stop_strings) for c in plan.choices]
     parsers = [plan.parser() for _ in range(n)]
     saw_call = [False] * n
     num_tokens = [0] * n

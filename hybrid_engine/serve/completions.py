@@ -91,7 +91,7 @@ async def events(req: CompletionRequest, plan: CompletionPlan, gen: Generation, 
                  model: str) -> AsyncIterator[str]:
     """The SSE body. Closing the generation is the caller's (app.py), whatever becomes of this."""
     created, tok, rid = now(), client.engine.tokenizer, plan.request_id
-    texts = [StreamedText(c.params.stop) for c in plan.choices]
+    texts = [StreamedText(c.params.stop_strings) for c in plan.choices]
     num_tokens = [0] * len(plan.choices)
     finals = [None] * len(plan.choices)
 

@@ -9,26 +9,19 @@ text back itself.
 
 from __future__ import annotations
 
+from hybrid_engine.stop_strings import StopStrings
+
 
 class StreamedText:
-    def __init__(self, stop: list[str]):
-        self.stop = stop
+    def __init__(self, stops: StopStrings):
+        self.stops = stops     # the request's automaton (SamplingParams.stop_strings)
         self.sent = 0          # characters already handed out
 
     def delta(self, text: str, finished: bool) -> str:
         """The characters of `text` (the whole text so far) that can go out now."""
-        end = len(text) if finished else len(text) - _stop_prefix_suffix(text, self.stop)
+        end = len(text) if finished else len(text) - self.stops.held_back(text)
         if end <= self.sent:
             return ""
         out, self.sent = text[self.sent:end], end
         return out
 
-
-def _stop_prefix_suffix(text: str, stop: list[str]) -> int:
-    """Length of the longest end of `text` that is a proper prefix of a stop string."""
-    longest = max((len(s) for s in stop), default=1) - 1
-    for n in range(min(longest, len(text)), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stop):
-            return n
-    return 0
