@@ -90,6 +90,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, dtype_default: str | N
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile decode/verify steps and MTP drafting: faster steps after "
                         "tens of seconds of compiling at the first steps (CPU)")
+    g.add_argument("--kernel-backend", choices=("auto", "torch", "cpu", "triton"), default="auto",
+                   help="the kernels' backend: torch (the reference), cpu (native kernels), triton (GPU); "
+                        "default auto: triton on CUDA, cpu where its kernels build, else torch")
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +136,8 @@ def engine_arguments(args, num_speculative_tokens: int = 0, dtype: str | None = 
                 max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs * (1 + num_speculative_tokens)),
                 speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False),
                 cache_memory_bytes=getattr(args, "cache_memory_bytes", None),
-                enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
+                enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                kernel_backend=getattr(args, "kernel_backend", "auto"))
 
 
 def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()

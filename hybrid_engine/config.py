@@ -22,6 +22,10 @@ class EngineConfig:
     speculative_config: dict | None = None
     device: str = "cpu"
     seed: int = 0
+    # The kernel backend (kernels/backends.py): "auto" (triton on CUDA, the native "cpu" kernels
+    # where they build for this CPU's level, else "torch"), "torch" (the reference: torch ops
+    # only), "cpu" or "triton".
+    kernel_backend: str = "auto"
     # CUDA only: False captures decode/verify steps as CUDA graphs at start-up (vLLM's flag).
     enforce_eager: bool = False
     cuda_graph_batch_sizes: list[int] | None = None   # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
@@ -67,6 +71,9 @@ class EngineConfig:
         if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
                                                     or self.cache_memory_bytes <= 0):
             raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
+        from hybrid_engine.kernels.backends import BACKENDS
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")
         for name in ("enforce_eager", "enable_torch_compile", "bf16_few_rows_copy", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

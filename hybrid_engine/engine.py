@@ -18,8 +18,7 @@ import warnings
 
 import torch
 
-from hybrid_engine.kernels import backend_for, decode_kernel_serves_prefill
-from hybrid_engine.kernels.attention import needs_paged_keys
+from hybrid_engine.kernels import make_backend
 from hybrid_engine.models import HybridForCausalLM, ModelConfig, load_model
 from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
 
@@ -140,6 +139,8 @@ class LLMEngine:
         # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
         self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0)
         self.tokenizer = load_tokenizer(config.model)
+        # The kernel backend (kernels/backends.py), chosen once: every step's ForwardBatch carries it.
+        self.kernels = make_backend(config.kernel_backend, config.device)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         prefix_on = config.enable_prefix_caching
@@ -165,10 +166,11 @@ class LLMEngine:
         max_blocks_per_seq = math.ceil((self.max_model_len + 2 * k) / config.block_size) + 1
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device,
-                                        self._keyless_query_lens(), self._recurrent_prefill())
+                                        self._keyless_query_lens(), self._recurrent_prefill(), self.kernels)
         graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
-        self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy)
+        self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy,
+                                  pack_weights=self.kernels.name == "cpu")
         self.drafter = MTPDrafter(self.model, self.cache, k, self.builder, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats, self.prefix)
@@ -238,17 +240,15 @@ class LLMEngine:
         which cost the steady state two scatters a step."""
         heads = self.model_config.num_attention_heads
         return frozenset(q for q in range(1, self.num_speculative_tokens + 2)
-                         if not any(needs_paged_keys(kv, heads, q) for kv in self.cache.kv_caches))
+                         if not any(self.kernels.attention_reads_keys(kv, heads, q) for kv in self.cache.kv_caches))
 
     def _recurrent_prefill(self) -> bool:
-        """Whether prefill segments' GDN layers run by the decode kernel (kernels/fused.py
-        decode_kernel_serves_prefill: where its native CPU kernel serves every GDN layer, whose
-        activations are in the conv pools' dtype)."""
+        """Whether prefill segments' GDN layers run by the decode kernel (the backend says where:
+        KernelBackend.gdn_decode_serves_prefill, for every GDN layer, whose activations are in
+        the conv pools' dtype)."""
         cache = self.cache
-        if backend_for(self.config.device).name != "torch":      # triton: its own chunked kernels
-            return False
         return bool(cache.conv_states) and all(
-            decode_kernel_serves_prefill(conv, state, conv.dtype, self.model_config.linear_conv_kernel_dim)
+            self.kernels.gdn_decode_serves_prefill(conv, state, self.model_config.linear_conv_kernel_dim, conv.dtype)
             for conv, state in zip(cache.conv_states, cache.recurrent_states))
 
     def _decode_graphs(self) -> DecodeGraphs | None:

@@ -30,7 +30,8 @@ class LLM:
                  enforce_eager: bool = False, cuda_graph_batch_sizes: list[int] | None = None,
                  enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True,
                  enable_prefix_caching: bool = True, prefix_checkpoints: int | None = None,
-                 prefix_checkpoint_interval: int | None = None, generation_config: str = "auto"):
+                 prefix_checkpoint_interval: int | None = None, generation_config: str = "auto",
+                 kernel_backend: str = "auto"):
         """generation_config: "auto" takes the default sampling parameters (used when a call
         gives none) from the model folder's generation_config.json; "vllm" ignores that file
         (vLLM's flag and values)."""
@@ -43,7 +44,7 @@ class LLM:
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
             enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy,
             enable_prefix_caching=enable_prefix_caching, prefix_checkpoints=prefix_checkpoints,
-            prefix_checkpoint_interval=prefix_checkpoint_interval)
+            prefix_checkpoint_interval=prefix_checkpoint_interval, kernel_backend=kernel_backend)
         self.loop = EngineLoop(lambda: LLMEngine(config))   # built on the loop thread (engine_loop.py)
         self._generation_defaults = (load_generation_defaults(self.engine.config.model)
                                      if generation_config == "auto" else {})

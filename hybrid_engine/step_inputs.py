@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybrid_engine.kernels import backend_for
+from hybrid_engine.kernels import KernelBackend, torch_backend
 from hybrid_engine.kernels.attention import PagedKeys, attention_layout, reads_no_keys
 from hybrid_engine.kernels.gdn.chunk import ChunkLayout
 from hybrid_engine.kernels.slot_pool import DecodeRows
@@ -71,19 +71,21 @@ class StepInputs:
 class StepInputBuilder:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu",
-                 keyless_query_lens: frozenset[int] = frozenset(), recurrent_prefill: bool = False):
+                 keyless_query_lens: frozenset[int] = frozenset(), recurrent_prefill: bool = False,
+                 kernels: KernelBackend | None = None):
         self.block_size = block_size
         # Prefill segments' GDN layers run by the decode kernel, in pieces between their
         # checkpoint captures (models/batch.py RecurrentPrefill), where it serves them
-        # (kernels.decode_kernel_serves_prefill); otherwise chunked. Fixed for the engine's life.
+        # (KernelBackend.gdn_decode_serves_prefill); otherwise chunked. Fixed for the engine's life.
         self.recurrent_prefill = recurrent_prefill
         self.k = num_speculative_tokens
         # Steps and MTP passes whose sequences all have one of these numbers of new tokens get no
-        # attention keys (kernels/attention.py `needs_paged_keys`: the native CPU kernel serves
-        # them), and the steady state then has none to update. Fixed for the engine's life, by
-        # its kernels.
+        # attention keys (KernelBackend.attention_reads_keys: the cpu backend's native kernel
+        # reads the cache in place), and the steady state then has none to update. Fixed for
+        # the engine's life, by its kernels.
         self.keyless_query_lens = keyless_query_lens
-        self.kernels = backend_for(device)     # fixed for the engine's life, handed to every step
+        # the engine's backend, fixed for its life and handed to every step
+        self.kernels = torch_backend() if kernels is None else kernels
         # Decode graphs pad a step up to max_num_seqs rows of 1 + k tokens in these buffers, and
         # an MTP catch-up after prefix hits adds one position per request (the entry at L - 1).
         max_num_tokens = max(max_num_tokens + (max_num_seqs if self.k else 0), max_num_seqs * (1 + self.k))

@@ -1,9 +1,10 @@
-"""The engine's kernels: every op has a torch reference and a triton version (kernels/triton/).
+"""The engine's kernels: every op has a torch reference, a native CPU form (kernels/cpu/) where it
+pays, and a triton version (kernels/triton/).
 
 Ops take tensors and flags only; nothing here knows about models or the engine. An engine
-takes its ops from one `KernelBackend` chosen at construction (`backend_for`); the public ops
-(kernels/ops.py) pick their backend per call (kernels/dispatch.py: triton on CUDA tensors when
-available, torch otherwise; `set_backend` or HYBRID_ENGINE_KERNEL_BACKEND force one).
+takes its ops from one `KernelBackend` chosen at construction (kernels/backends.py:
+`make_backend("auto" | "torch" | "cpu" | "triton", device)`); the public ops of this package
+(kernels/ops.py) are the torch references.
 """
 
 if __name__ == "kernels":

@@ -17,12 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu.paged_attention import can_run_native, paged_attention_op
-
-# Steps with at most this many new tokens per sequence (decode, verify) read the cache in place
-# on CPU where the native kernel runs; longer ones (prefills) keep the gather and sdpa, whose
-# matrix products serve many queries better than the kernel's row-at-a-time loop.
-NATIVE_MAX_QUERY_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -60,7 +54,7 @@ class AttentionLayout:
     keys: when every sequence has the same number of new tokens (decode, verify, one prefill),
     one PagedKeys for all of them; otherwise None and `groups` holds one QueryGroup per length.
     Also None, with no groups, for a shared length whose attention reads no keys
-    (`needs_paged_keys`): the caller that knew it left them out.
+    (`KernelBackend.attention_reads_keys`): the builder that knew it left them out.
     slots_valid: no KV slot of the step is negative (no padding rows to skip when writing).
     query_len: that shared number of new tokens (a host int; 0 where they differ or it is not
     known). With it, decode and verify steps on CPU read K and V straight from the blocks
@@ -84,12 +78,6 @@ def paged_keys(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_len: in
                      (key_pos <= q_pos[:, :, None])[:, None])
 
 
-def needs_paged_keys(kv_cache: torch.Tensor, num_heads: int, query_len: int) -> bool:
-    """Whether `paged_attention` reads AttentionLayout.keys for a step whose sequences all have
-    `query_len` new tokens: not where the native kernel serves it (it reads the block tables)."""
-    return not (0 < query_len <= NATIVE_MAX_QUERY_LEN and can_run_native(kv_cache, num_heads, query_len))
-
-
 def reads_no_keys(query_lens: Sequence[int], keyless: Container[int]) -> bool:
     """Whether the layout of a step whose sequences have these new-token counts has no keys:
     one shared count (none: 1), and one of `keyless`."""
@@ -99,7 +87,7 @@ def reads_no_keys(query_lens: Sequence[int], keyless: Container[int]) -> bool:
 def attention_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: Sequence[int],
                      block_size: int, slots_valid: bool, keyless: Container[int] = ()) -> AttentionLayout:
     """The layout of a step whose sequence n has query_lens[n] new tokens (host ints).
-    keyless: shared query lengths whose attention needs no keys (`needs_paged_keys`)."""
+    keyless: shared query lengths whose attention needs no keys (`KernelBackend.attention_reads_keys`)."""
     if len(set(query_lens)) <= 1:
         q = query_lens[0] if query_lens else 1
         keys = None if reads_no_keys(query_lens, keyless) else paged_keys(block_tables, seq_lens, q, block_size)
@@ -159,20 +147,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     Sequences with the same query length are attended in one batched call (one gather of
     their keys in the cache's dtype, one sdpa with the visibility mask); a pure decode or
-    verify step is therefore a single call with no Python loop. On CPU, where the native
-    kernel runs, such a step with few queries per sequence reads the keys in place instead.
+    verify step is therefore a single call with no Python loop. (The cpu backend reads the
+    keys of decode and verify steps in place instead: kernels/cpu/forms.py.)
     """
     N, (T, nh, hd) = cu_seqlens_q.numel() - 1, q.shape
     if N == 0 or T == 0:
         return q.new_empty(q.shape)
     if layout is None:
         layout = layout_of(cu_seqlens_q, block_tables, seq_lens, kv_cache.shape[2])
-    if not needs_paged_keys(kv_cache, nh, layout.query_len):       # query_len is 0 where lengths differ
-        return paged_attention_op(q, kv_cache, block_tables, seq_lens, scale).to(q.dtype)
     keys = layout.keys
-    if keys is None and layout.query_len:
-        # Left out by a caller that expected the native kernel here: made now, for this layer.
-        keys = paged_keys(block_tables, seq_lens, layout.query_len, kv_cache.shape[2])
+    if keys is None and not layout.groups:
+        raise ValueError("paged_attention: the step's AttentionLayout has no keys (its builder left them out for "
+                         "a backend that reads the cache in place)")
     if keys is not None:
         # The query length as the mask has it (not T // N): under torch.compile the mask's size
         # is a symbol of its own, which sdpa must see the queries share.

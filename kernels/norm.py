@@ -1,10 +1,8 @@
-"""The two RMSNorm conventions of Qwen3.5 (deliberately mixed in the model).
+"""The two RMSNorm conventions of Qwen3.5 (deliberately mixed in the model), in torch ops.
 
-On CPU, where the native kernel runs (kernels/cpu/rms_norm.cpp: float32 or bf16, a weight [D],
-an eager call), each op below is that kernel, one call instead of ~8 torch ops; the `_torch`
-forms serve everywhere else (and under torch.compile, whose inductor fuses them) and are its
-reference. The kernel matches them to an ulp of float32 (its sum of squares runs in its own
-order), not bitwise.
+These are the references (the `torch` backend's ops). The `cpu` backend's native forms
+(kernels/cpu/rms_norm.cpp, through kernels/cpu/forms.py) match them to an ulp of float32 (their
+sum of squares runs in its own order), not bitwise; the triton ones are kernels/triton/norm.py.
 """
 
 from __future__ import annotations
@@ -14,60 +12,37 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .cpu.rms_norm import add_rms_norm_native, can_run_native, gated_rms_norm_native, rms_norm_native
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + weight).
-
-    x: [..., D]; weight: [D] (stored as an offset from 1, init 0). All in fp32 with a single
-    cast back to x.dtype (input, post-attention, final, q/k and MTP norms). The torch form also
-    takes a weight of any shape that broadcasts against x; the native and triton ops take [D].
-    """
-    if can_run_native(x, weight):
-        return rms_norm_native(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm in torch ops (the same contract)."""
+    """Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + weight).
+
+    x: [..., D]; weight: [D] (stored as an offset from 1, init 0). All in fp32 with a single
+    cast back to x.dtype (input, post-attention, final, q/k and MTP norms). This form also
+    takes a weight of any shape that broadcasts against x; the native and triton ops take [D].
+    """
     h = x.float()
     h = h * _inv_rms(h, eps)
     return h.mul_(weight.float() + scalar(1.0, h.device)).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_torch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the norm after it: (x + h, rms_norm(x + h, weight, eps)).
 
     x, h: [..., D] of one dtype; weight: [D]. The sum is rounded to x.dtype before the norm
     reads it, as the two ops in sequence would.
     """
-    if h.shape == x.shape and h.dtype == x.dtype and can_run_native(x, weight):
-        return add_rms_norm_native(x, h, weight, eps)
-    return add_rms_norm_torch(x, h, weight, eps)
-
-
-def add_rms_norm_torch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm in torch ops (the same contract)."""
     total = x + h
     return total, rms_norm_torch(total, weight, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm over the last dim: weight * rmsnorm(x) * silu(z), PLAIN weight (init 1).
 
     x, z: [..., D]; weight: [D]. The normalised x is cast to x.dtype before the weight multiply
     and silu(z) is applied in fp32, as transformers does; the bf16 rounding points matter.
     """
-    if z.shape == x.shape and z.dtype == x.dtype and can_run_native(x, weight):
-        return gated_rms_norm_native(x, z, weight, eps)
-    return gated_rms_norm_torch(x, z, weight, eps)
-
-
-def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """gated_rms_norm in torch ops (the same contract)."""
     h = x.float()
     h = h * _inv_rms(h, eps)
     h = weight * h.to(x.dtype)

@@ -45,4 +45,4 @@ class DecoderLayer(nn.Module):
                            if batch.gdn_captures is not None else None)
             h = self.linear_attn(h, batch, caches.conv_states[i], caches.recurrent_states[i], checkpoints)
         x, h = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, self.eps)   # x + h, its norm
-        return x + self.mlp(h)
+        return x + self.mlp(h, ops)   # ops: the backend's, for the activation

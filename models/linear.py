@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_engine.kernels.activation import silu_mul
 from hybrid_engine.kernels.cpu.projection import (PlainProjection, Projection, choose_projection, fused_swiglu,
                                                  plain_linear)
 
@@ -29,9 +28,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Projection) -> torch.Tensor:
     return plain_linear(x, weight)
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor | Projection, down: torch.Tensor | Projection) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor | Projection, down: torch.Tensor | Projection,
+           silu_mul) -> torch.Tensor:
     """silu(gate) * up of x's merged [gate | up] projection, projected by `down`: one native
-    call where both projections' layouts allow it (`fused_swiglu`), else three."""
+    call where both projections' layouts allow it (`fused_swiglu`), else three (silu_mul: the
+    backend's op)."""
     if isinstance(gate_up, Projection) and isinstance(down, Projection):
         fused = fused_swiglu(x, gate_up, down)
         if fused is not None:

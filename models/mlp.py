@@ -20,10 +20,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one native call where the weights' layouts allow, else the products and silu_mul
-        # (itself native for eager CPU calls): chosen by the weights and x alone, per call
-        return swiglu(x, self.gate_up_weight, self.down_proj.weight)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        # one native call where the weights' layouts allow, else the products and the
+        # backend's silu_mul: chosen by the weights and x alone, per call
+        return swiglu(x, self.gate_up_weight, self.down_proj.weight, ops.silu_mul)
 
 
 class Experts(nn.Module):
@@ -65,14 +65,14 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         # Softmax over ALL experts in fp32, then top-k, then (optionally) renormalise.
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top_w, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         out = self.experts(x, top_ids, top_w.to(x.dtype))
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
 
 
 def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:

@@ -15,7 +15,8 @@ from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_line
 from hybrid_engine.kernels.cpu import projection as projection_mod
 from hybrid_engine.kernels.cpu.ops import native_ops
 from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
-from hybrid_engine.kernels.activation import silu_mul, silu_mul_torch
+from hybrid_engine.kernels.activation import silu_mul_torch
+from hybrid_engine.kernels.cpu.forms import silu_mul
 from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
                                                   WideningProjection, choose_projection, fused_swiglu, plain_linear)
 from hybrid_engine.models.linear import linear, prepare_projections, swiglu

@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
 from hybrid_engine.kernels.conv import causal_conv1d
-from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_update_torch
+from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update_torch
+from hybrid_engine.kernels.cpu.forms import causal_conv1d_update      # the cpu backend's op
 from hybrid_engine.kernels.cpu import causal_conv1d_update as native
 from hybrid_engine.kernels.cpu import gdn_decode as native_gdn_decode
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level

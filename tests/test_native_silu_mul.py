@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine.kernels.activation import silu_mul, silu_mul_torch
+from hybrid_engine.kernels.activation import silu_mul_torch
+from hybrid_engine.kernels.cpu.forms import silu_mul      # the cpu backend's op
 from hybrid_engine.kernels.cpu import silu_mul as native
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 

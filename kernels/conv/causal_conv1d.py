@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cpu.causal_conv1d_update import can_run_native, conv_update_op
 from ..slot_pool import DecodeRows, scatter_to_slots
 
 
@@ -101,9 +100,9 @@ def _conv_silu_rows(x: torch.Tensor, taps: torch.Tensor, out: torch.Tensor,
     F.silu(out, inplace=True)
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
-                         read_slots: torch.Tensor, write_slots: torch.Tensor,
-                         rows: DecodeRows | None = None) -> torch.Tensor:
+def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
+                               read_slots: torch.Tensor, write_slots: torch.Tensor,
+                               rows: DecodeRows | None = None) -> torch.Tensor:
     """Causal conv for B requests of T new tokens each (decode: T = 1; verify: k+1), batched.
 
     x: [B, T, D]; weight: [D, K]; window_pool: [S, D, K-1] in x.dtype, modified in place;
@@ -111,22 +110,8 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window_pool: tor
     int64, the window after token t of row b goes to window_pool[write_slots[b, t]] (entries
     < 0 skipped; tokens are written in order, so a slot repeated along t keeps the last
     window). All reads happen before any write. rows: the step's DecodeRows (None: read back
-    from the slots). Returns y: [B, T, D] in x.dtype.
-
-    On CPU, where the native kernel runs for these tensors (kernels/cpu/causal_conv1d_update.cpp:
-    float32 or bf16, K of 2 to 4), the call is that kernel, one op eagerly and in compiled
-    graphs, with the same numerics; the torch form below serves everywhere else and is its
-    reference.
-    """
-    if can_run_native(x, weight, window_pool):       # any slots: the kernel reads all first too
-        return conv_update_op(x, weight, window_pool, read_slots, write_slots)
-    return causal_conv1d_update_torch(x, weight, window_pool, read_slots, write_slots, rows)
-
-
-def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor,
-                               read_slots: torch.Tensor, write_slots: torch.Tensor,
-                               rows: DecodeRows | None = None) -> torch.Tensor:
-    """causal_conv1d_update in torch ops (the same contract).
+    from the slots). Returns y: [B, T, D] in x.dtype. (The cpu backend's native form:
+    kernels/cpu/causal_conv1d_update.cpp, the same numerics.)
 
     Each output is one product of its K-tap window with the weight and a sum over the taps
     (conv1d's per-call set-up costs more than the arithmetic at decode sizes; this is two

@@ -23,14 +23,22 @@ def can_run_native(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_w
     """Whether the kernels serve this call: CPU tensors, activations of float32 or bf16 (b, a of
     mixed's dtype, the conv pool too, contiguous), float32 contiguous states with dv a multiple
     of 16 up to 512 and dk up to 512, a conv kernel of 2 to 4 taps, every last dim contiguous."""
+    return (mixed.device.type == "cpu" and conv_weight.dtype in DTYPES
+            and b.dtype == mixed.dtype and a.dtype == mixed.dtype
+            and serves_layer(conv_pool, state_pool, conv_weight.shape[1], mixed.dtype)
+            and mixed.shape[-1] == conv_pool.shape[1]
+            and mixed.stride(-1) == 1 and b.stride(-1) == 1 and a.stride(-1) == 1)
+
+
+def serves_layer(conv_pool: torch.Tensor, state_pool: torch.Tensor, conv_kernel: int, dtype: torch.dtype) -> bool:
+    """The layer-wide half of `can_run_native`: whether the kernels serve a GDN layer with these
+    pools (as the cache holds them), conv taps and activation dtype. Known at engine build."""
     _, hv, dk, dv = state_pool.shape
-    key_dim = (mixed.shape[-1] - hv * dv) // 2
-    return (mixed.device.type == "cpu" and mixed.dtype in DTYPES and conv_weight.dtype in DTYPES
-            and b.dtype == mixed.dtype and a.dtype == mixed.dtype and conv_pool.dtype == mixed.dtype
+    key_dim = (conv_pool.shape[1] - hv * dv) // 2
+    return (conv_pool.device.type == "cpu" and dtype in DTYPES and conv_pool.dtype == dtype
             and conv_pool.is_contiguous() and state_pool.dtype == torch.float32 and state_pool.is_contiguous()
             and dv % 16 == 0 and dv <= MAX_DV and dk <= MAX_DK and key_dim > 0 and key_dim % dk == 0
-            and hv % (key_dim // dk) == 0 and conv_weight.shape[1] in KERNEL_SIZES
-            and mixed.stride(-1) == 1 and b.stride(-1) == 1 and a.stride(-1) == 1 and native_available())
+            and hv % (key_dim // dk) == 0 and conv_kernel in KERNEL_SIZES and native_available())
 
 
 @torch.compiler.assume_constant_result      # traced graphs take the answer as a constant

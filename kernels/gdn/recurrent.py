@@ -8,10 +8,9 @@ Per token the state S [dk, dv] of each head is read twice and written once, so t
 memory traffic on S (1 MB per request per layer at Qwen3.5-0.8B dims), not arithmetic. With
 S' = a S + k u^T and u = beta (v - a S^T k), the output needs no second read of S':
 o = S'^T q = a S^T q + (k . q) u, so one bmm of the stacked [k; q] against S gives both reads.
-On CPU, where the native kernel builds (kernels/cpu/gdn_recurrent.cpp), decode and verify steps
-of any state size are one call per layer that reads and writes each state once per token (the
-operator hybrid_engine_cpu::gdn_recurrent, eagerly and in compiled graphs alike).
-The torch forms below serve everywhere else (and are the kernel's reference). Plain decode
+The cpu backend runs decode and verify steps of any state size as one native call per layer
+that reads and writes each state once per token (kernels/cpu/gdn_recurrent.cpp, through
+kernels/cpu/forms.py); the torch forms below are its reference. Plain decode
 (T = 1, every request writing back to its read slot) with large states updates each request's
 state where it lives in the pool: gathering the batch into a copy and scattering it back would
 add two more passes over every state, and one request's state stays in L2 between its read and
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu.gdn_recurrent import can_run_native, gdn_recurrent_native
 from ..slot_pool import DecodeRows, scatter_to_slots
 from .qk_norm import normalize_kq
 
@@ -53,14 +51,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Hv = v.shape[2]
     kq = normalize_kq(q, k, Hv, scale, use_qk_l2norm)                # [B, T, Hv, 2, dk]: k, scaled q
     decay = g.float().exp()
-    if can_run_native(state_pool) and (rows is None or rows.independent):   # any state size and T
-        # One op, eager and under torch.compile alike (there an opaque call of the graph);
-        # without the step's rows it checks them itself, at run time, and copies the states of
-        # rows that depend on each other first.
-        o = gdn_recurrent_native(kq, decay, beta, v, state_pool, read_slots, write_slots)
-    else:
-        o = _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots,
-                        rows or DecodeRows.of_tensors(read_slots, write_slots))
+    o = _torch_form(kq, decay, beta, v, state_pool, read_slots, write_slots,
+                    rows or DecodeRows.of_tensors(read_slots, write_slots))
     return o.to(v.dtype)
 
 

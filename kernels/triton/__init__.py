@@ -7,7 +7,7 @@ fla takes seconds). On CPU tensors these kernels run only under TRITON_INTERPRET
 
 from .attention import paged_attention, write_kv_cache
 from .conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows_at
-from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule, recurrent_gated_delta_rule_fused_gating
+from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .gdn_decode import gdn_decode
 from .norm import add_rms_norm, apply_partial_rope, gated_rms_norm, qk_norm_rope, rms_norm
 
@@ -23,7 +23,6 @@ __all__ = [
     "paged_attention",
     "qk_norm_rope",
     "recurrent_gated_delta_rule",
-    "recurrent_gated_delta_rule_fused_gating",
     "rms_norm",
     "write_kv_cache",
 ]

@@ -91,18 +91,6 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    g=g, beta=beta)
 
 
-def recurrent_gated_delta_rule_fused_gating(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                            a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                                            dt_bias: torch.Tensor, state_pool: torch.Tensor,
-                                            read_slots: torch.Tensor, write_slots: torch.Tensor,
-                                            scale: float | None = None, use_qk_l2norm: bool = True,
-                                            rows=None) -> torch.Tensor:
-    """The recurrent op with g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b)
-    computed in-kernel in fp32 (a, b: [B, T, Hv] raw projections; A_log, dt_bias: [Hv])."""
-    return _launch(q, k, v, state_pool, read_slots, write_slots, scale, use_qk_l2norm,
-                   a=a, b=b, A_log=A_log, dt_bias=dt_bias)
-
-
 def _launch(q, k, v, state_pool, read_slots, write_slots, scale, use_qk_l2norm, g=None, beta=None,
             a=None, b=None, A_log=None, dt_bias=None) -> torch.Tensor:
     B, T, Hv, dv = v.shape

@@ -94,26 +94,6 @@ def test_recurrent_matches_torch(device, read, write):
     torch.testing.assert_close(pool, pool_ref, **TOL)      # written slots and untouched ones
 
 
-def test_recurrent_fused_gating_matches_torch(device):
-    B, T, Hv = 2, 3, 4
-    q, k, v, _, _, pool = _recurrent_case(B, T, seed=7, device=device, Hk=4)
-    gen = torch.Generator().manual_seed(8)
-    a = (3 * torch.randn(B, T, Hv, generator=gen)).to(device)
-    a[0, 0, 0] = 30.0                                      # softplus' linear branch
-    b = torch.randn(B, T, Hv, generator=gen).to(device)
-    A_log = torch.empty(Hv).uniform_(0.01, 16, generator=gen).log().to(device)
-    dt_bias = torch.randn(Hv, generator=gen).to(device)
-    read = torch.tensor([3, 9], device=device)
-    write = torch.tensor([[3, 1, 3], [9, 2, 9]], device=device)
-    pool_ref = pool.clone()
-
-    o = tk.recurrent_gated_delta_rule_fused_gating(q, k, v, a, b, A_log, dt_bias, pool, read, write, scale=0.3)
-    o_ref = TORCH["recurrent_gated_delta_rule_fused_gating"](q, k, v, a, b, A_log, dt_bias, pool_ref,
-                                                             read, write, scale=0.3)
-    torch.testing.assert_close(o, o_ref, **TOL)
-    torch.testing.assert_close(pool, pool_ref, **TOL)
-
-
 def test_gdn_decode_matches_torch(device):
     """The layer's decode step from its projections: mixed, b, a column slices of one output."""
     B, T, Hk, Hv, dk, dv, K = 2, 3, 2, 4, 16, 8, 4
