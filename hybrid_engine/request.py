@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"     # waiting again; its cache was freed and it will re-prefill
     FINISHED = "finished"
 
 

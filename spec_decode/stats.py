@@ -24,13 +24,6 @@ class SpecStats:
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
 
-    def merge(self, other: "SpecStats") -> None:
-        self.num_verify_steps += other.num_verify_steps
-        self.num_drafted += other.num_drafted
-        self.num_accepted += other.num_accepted
-        for j, n in enumerate(other.accepted_per_position):
-            self.accepted_per_position[j] += n
-
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0

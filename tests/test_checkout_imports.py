@@ -38,7 +38,7 @@ def test_transformers_models_and_the_engines_kernels_import_at_a_checkouts_root(
         "from transformers.models.qwen3_5 import modeling_qwen3_5\n"
         "import hybrid_engine.kernels as k\n"
         "print(k.__file__)\n"
-        "print(callable(k.paged_attention) and callable(k.backend_for))\n"
+        "print(callable(k.paged_attention) and callable(k.make_backend))\n"
     ).split("\n")
     assert Path(out[0]).resolve() == ROOT / "kernels" / "__init__.py"
     assert out[1] == "True"

@@ -1,4 +1,4 @@
-"""Decode and verify forwards on the torch backend read nothing back from the device: every
+"""Decode and verify forwards on the torch and cpu backends read nothing back from the device: every
 fact a layer needs about the step (lengths, slots, key positions) comes in the ForwardBatch,
 computed once by the step-input builder from its host lists.
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybrid_engine import EngineConfig, LLMEngine, SamplingParams, kernels
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.gdn import recurrent
 
 from spec_models import make_spec_checkpoint
@@ -77,11 +78,12 @@ def ckpt(tmp_path_factory):
     return str(make_spec_checkpoint(tmp_path_factory.mktemp("reads"), "qwen3_5", embed_scale=1.6))
 
 
-def _counted_engine(ckpt, k):
+def _counted_engine(ckpt, k, kernel_backend):
     """An engine whose decode/verify forwards and MTP passes record their host reads."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", block_size=4, max_num_seqs=4,
-                                    max_num_batched_tokens=64, speculative_config=spec))
+                                    max_num_batched_tokens=64, speculative_config=spec,
+                                    kernel_backend=kernel_backend))
     kinds = set(engine.model.cfg.layer_types)
     assert kinds == {"full_attention", "linear_attention"}, kinds
     seen = {"decode": [], "verify": [], "mtp": []}
@@ -117,17 +119,15 @@ def _run(engine):
         engine.step()
 
 
-# native: the CPU kernel where it builds; gathered / in_place: the torch forms of the recurrence
+# native: the cpu backend (its kernels where they build); gathered / in_place: the torch
+# backend's two forms of the recurrence
 @pytest.mark.parametrize("form", ["native", "gathered", "in_place"])
 @pytest.mark.parametrize("k", [0, 2], ids=["decode", "verify"])
 def test_decode_and_verify_forwards_read_nothing_back(ckpt, k, form, monkeypatch):
-    if form != "native":
-        monkeypatch.setattr(recurrent, "can_run_native", lambda pool: False)
     if form == "in_place":
         monkeypatch.setattr(recurrent, "IN_PLACE_MIN_BYTES", 0)
-    with kernels.using_backend("torch"):
-        engine, seen = _counted_engine(ckpt, k)
-        _run(engine)
+    engine, seen = _counted_engine(ckpt, k, "cpu" if form == "native" and native_cpu_available() else "torch")
+    _run(engine)
     steps = seen["verify" if k else "decode"]
     assert len(steps) >= 5
     assert [ops for ops in steps if ops] == [], "host reads inside decode/verify forwards"

@@ -13,17 +13,19 @@ from hybrid_engine.kernels import (
     causal_conv1d_update,
     causal_conv1d_varlen,
     chunk_gated_delta_rule,
+    cpu_backend,
     gated_rms_norm,
     naive_gated_delta_rule,
     paged_attention,
     recurrent_gated_delta_rule,
     rms_norm,
     rope_cos_sin,
+    torch_backend,
     write_kv_cache,
 )
-from hybrid_engine.kernels import attention as attention_module
-from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
+from hybrid_engine.kernels.cpu.isa import cpu_level
 from hybrid_engine.kernels.gdn import recurrent as recurrent_module
+from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
 from hybrid_engine.kernels.norm import gated_rms_norm_torch, rms_norm_torch
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
@@ -358,18 +360,24 @@ def test_paged_attention_batched_path_matches_per_sequence(block_size, qlen):
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("native_allowed", [True, False])
 @pytest.mark.parametrize("block_size, qlen", [(16, 1), (4, 3)])
-def test_paged_attention_without_keys_matches_with_them(block_size, qlen, native_allowed, monkeypatch):
-    """A layout whose keys were left out (its caller expected the native kernel) gives what the
-    full layout gives: through the kernel where it runs, with keys made in the layer where not."""
-    if not native_allowed:
-        monkeypatch.setattr(attention_module, "can_run_native", lambda *a: False)
-    q, kv_cache, bt, cu, seq_lens, keys, values = _paged_setup(block_size, [0, 20, 47, 5], [qlen] * 4, seed=24)
+def test_a_layout_without_keys_is_read_in_place_or_refused(block_size, qlen):
+    """Where the cpu backend says attention reads no keys (its native kernel reads the blocks in
+    place), a layout the builder left them out of gives what the full layout gives; the torch
+    reference, which always reads them, refuses such a layout with an error saying why."""
+    q, kv_cache, bt, cu, seq_lens, keys, values = paged_kv_case(block_size, [0, 20, 47, 5], [qlen] * 4, 24,
+                                                                NH, NKV, 16, write_kv_cache)   # hd the kernel takes
     full = attention_layout(bt, seq_lens, [qlen] * 4, block_size, slots_valid=True)
     keyless = attention_layout(bt, seq_lens, [qlen] * 4, block_size, slots_valid=True, keyless={qlen})
     assert full.keys is not None and keyless.keys is None and keyless.query_len == qlen
-    o = paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, keyless)
+    with pytest.raises(ValueError, match="has no keys"):
+        paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, keyless)
+    cpu = cpu_backend()
+    assert torch_backend().attention_reads_keys(kv_cache, q.shape[1], qlen)
+    if cpu.attention_reads_keys(kv_cache, q.shape[1], qlen):
+        assert cpu_level() == "none"
+        return
+    o = cpu.paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, keyless)
     torch.testing.assert_close(o, paged_attention(q, kv_cache, bt, cu, seq_lens, 0.3, full), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(o, _dense_reference(q, cu, keys, values, 0.3), atol=1e-5, rtol=1e-5)
 

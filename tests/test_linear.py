@@ -338,7 +338,7 @@ def test_fused_mlp_does_not_depend_on_the_thread_count_and_checks_its_inputs():
 
 def _fused_calls(x, gate_up, down):
     with recorded_calls("mlp_blocked") as calls:
-        out = swiglu(x, gate_up, down)
+        out = swiglu(x, gate_up, down, silu_mul)
     return out, len(calls)
 
 
@@ -381,7 +381,7 @@ def test_compiled_graphs_take_the_fused_mlp_and_the_native_gather(block_every_si
         graphs.append({node.target for node in gm.graph.nodes})
         return gm.forward
     torch._dynamo.reset()
-    f = torch.compile(lambda ids: swiglu(table.rows(ids), gu, d), backend=backend, dynamic=True)
+    f = torch.compile(lambda ids: swiglu(table.rows(ids), gu, d, silu_mul), backend=backend, dynamic=True)
     ids = torch.tensor([5, 90, 17])
     assert torch.equal(f(ids), linear(silu_mul(linear(table.rows(ids), gu)), d))
     ops = torch.ops.hybrid_engine_cpu

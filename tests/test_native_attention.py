@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine.kernels import paged_attention
+
 from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
-from hybrid_engine.kernels.cpu import paged_attention as native
+from hybrid_engine.kernels.cpu import forms, paged_attention as native
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 from op_calls import recorded_calls
 
@@ -81,7 +81,7 @@ def _paged(q, cache, table, lens, compiled=False):
     Q = q.shape[0] // lens.shape[0]
     cu = torch.arange(lens.shape[0] + 1) * Q
     layout = attention_layout(table, lens, [Q] * lens.shape[0], cache.shape[2], slots_valid=True)
-    op = paged_attention.torch_op
+    op = forms.paged_attention
     if compiled:   # tracing only, in one graph: the path of compiled steps, nothing read back
         op = torch.compile(op, backend="eager", fullgraph=True, dynamic=False)
     return op(q, cache, table, cu, lens, 0.25, layout)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
-from hybrid_engine.kernels.conv import causal_conv1d
+
 from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update_torch
 from hybrid_engine.kernels.cpu.forms import causal_conv1d_update      # the cpu backend's op
 from hybrid_engine.kernels.cpu import causal_conv1d_update as native
@@ -189,13 +189,13 @@ def _counting_kernel(monkeypatch):
     the conv update on its own."""
     monkeypatch.setattr(native_gdn_decode, "can_run_native", lambda *a: False)
     calls = {}
-    kernel = causal_conv1d.conv_update_op
+    kernel = native.conv_update_op
 
     def counted(x, *rest):
         calls[x.shape[1]] = calls.get(x.shape[1], 0) + 1
         return kernel(x, *rest)
 
-    monkeypatch.setattr(causal_conv1d, "conv_update_op", counted)
+    monkeypatch.setattr(native, "conv_update_op", counted)
     return calls
 
 
@@ -221,7 +221,7 @@ def test_mtp_verify_on_the_kernel_equals_the_torch_form(tmp_path, monkeypatch, d
     on_kernel = tokens(speculative_config=spec)
     plain_on_kernel = tokens()
     assert calls.get(3, 0) > 0 and calls.get(1, 0) > 0
-    monkeypatch.setattr(causal_conv1d, "can_run_native", lambda *a: False)
+    monkeypatch.setattr(native, "can_run_native", lambda *a: False)
     calls.clear()
     assert tokens(speculative_config=spec) == on_kernel
     assert tokens() == plain_on_kernel

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_engine.kernels.cpu import forms, gdn_recurrent as native_recurrent
 from hybrid_engine.kernels.cpu.isa import at_least
 from hybrid_engine.kernels.cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
 from hybrid_engine.kernels.gdn import recurrent
@@ -97,22 +98,22 @@ def test_the_op_takes_rows_that_depend_on_each_other():
         torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
 
 
-def test_the_dispatcher_takes_the_torch_form_for_rows_known_to_depend(monkeypatch):
+def test_the_cpu_backend_takes_the_torch_form_for_rows_known_to_depend(monkeypatch):
     """With the step's DecodeRows saying the rows depend on each other (the padded rows of
-    captured graphs), recurrent_gated_delta_rule takes the torch form; otherwise the kernel."""
+    captured graphs), the cpu backend's recurrent_gated_delta_rule takes the torch form; otherwise the kernel."""
     B, T, H, dk, dv = 2, 2, 2, 16, 16
     kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=3)
     q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
     read, write = torch.tensor([0, 1]), torch.tensor([[1, 2], [3, 4]])
     calls = []
-    native = recurrent.gdn_recurrent_native
-    monkeypatch.setattr(recurrent, "gdn_recurrent_native", lambda *a: calls.append(1) or native(*a))
+    native = native_recurrent.gdn_recurrent_native
+    monkeypatch.setattr(native_recurrent, "gdn_recurrent_native", lambda *a: calls.append(1) or native(*a))
     for rows, uses_kernel in ((DecodeRows.of_tensors(read, write), False), (None, True)):
         want_pool = pool.clone()
         want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
         calls.clear()
         got_pool = pool.clone()
-        got = recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, got_pool, read, write, rows=rows)
+        got = forms.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, got_pool, read, write, rows=rows)
         assert calls == ([1] if uses_kernel else [])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
@@ -139,7 +140,7 @@ def test_compiled_graphs_call_the_kernel_as_one_op():
     B, T, H, dk, dv = 2, 3, 4, 32, 32
     kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=11)
     q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
-    compiled = torch.compile(recurrent.recurrent_gated_delta_rule, fullgraph=True)
+    compiled = torch.compile(forms.recurrent_gated_delta_rule, fullgraph=True)
     for read, write in (([1, 4], [[1, 6, 7], [4, 8, 9]]), ([0, 1], [[1, 2, 3], [5, 6, 7]])):
         read, write = torch.tensor(read), torch.tensor(write)
         want_pool = pool.clone()

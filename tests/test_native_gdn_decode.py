@@ -14,10 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
 from hybrid_engine.kernels import fused
-from hybrid_engine.kernels.conv import causal_conv1d
-from hybrid_engine.kernels.cpu import gdn_decode as native
+from hybrid_engine.kernels.cpu import forms, gdn_decode as native
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
-from hybrid_engine.kernels.gdn import recurrent
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
 from checkpoints import make_hf_model, save_checkpoint
@@ -32,10 +30,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture
-def torch_forms(monkeypatch):
-    """The reference on the plain torch ops: the conv update and the rule without their kernels."""
-    monkeypatch.setattr(causal_conv1d, "can_run_native", lambda *a: False)
-    monkeypatch.setattr(recurrent, "can_run_native", lambda *a: False)
+def torch_forms():
+    """The reference: the torch backend's gdn_decode, the plain torch ops in sequence."""
     return fused.gdn_decode_torch
 
 
@@ -155,21 +151,18 @@ def test_any_slots_match_the_torch_form(level, seed, B, T, groups, dtype, data):
     """Slots drawn freely: rows reading one slot, writing each other's read slots (the op
     gathers those rows' first states), padding and repeats along a row anywhere; only two rows
     writing one slot is left out (the rule's contract: rows run in parallel)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(causal_conv1d, "can_run_native", lambda *a: False)
-        mp.setattr(recurrent, "can_run_native", lambda *a: False)
-        case = Case(seed, B, T, 2, 2 * groups, 16, 16, 4, dtype)
-        S = data.draw(st.integers(1, 2 * B * T + 2), label="pool slots")
-        case.conv_pool, case.state_pool = case.conv_pool[:S].clone(), case.state_pool[:S].clone()
-        case.read = torch.tensor(data.draw(st.lists(st.integers(0, S - 1), min_size=B, max_size=B), label="read"))
-        drawn = data.draw(st.permutations(range(S + B * T)), label="write")[:B * T]
-        write = [[s if s < S else -1 for s in drawn[b * T:(b + 1) * T]] for b in range(B)]
-        for b, t in data.draw(st.lists(st.tuples(st.integers(0, B - 1), st.integers(1, T)), max_size=3),
-                              label="repeats along a row"):
-            if t < T:
-                write[b][t] = write[b][t - 1]
-        case.write = torch.tensor(write)
-        want = case.run(fused.gdn_decode_torch)
+    case = Case(seed, B, T, 2, 2 * groups, 16, 16, 4, dtype)
+    S = data.draw(st.integers(1, 2 * B * T + 2), label="pool slots")
+    case.conv_pool, case.state_pool = case.conv_pool[:S].clone(), case.state_pool[:S].clone()
+    case.read = torch.tensor(data.draw(st.lists(st.integers(0, S - 1), min_size=B, max_size=B), label="read"))
+    drawn = data.draw(st.permutations(range(S + B * T)), label="write")[:B * T]
+    write = [[s if s < S else -1 for s in drawn[b * T:(b + 1) * T]] for b in range(B)]
+    for b, t in data.draw(st.lists(st.tuples(st.integers(0, B - 1), st.integers(1, T)), max_size=3),
+                          label="repeats along a row"):
+        if t < T:
+            write[b][t] = write[b][t - 1]
+    case.write = torch.tensor(write)
+    want = case.run(fused.gdn_decode_torch)
     assert_same(case.run(native_at(level)), want)
 
 
@@ -223,7 +216,7 @@ def test_gdn_decode_takes_the_op_where_it_runs(torch_forms, dtype, compiled):
     compiled graph alike, bitwise the torch form's result; level none takes the torch form."""
     case = Case(11, 2, 3, 2, 4, 32, 32, 4, dtype)
     want = case.run(torch_forms)
-    op = fused.gdn_decode
+    op = forms.gdn_decode
     rows = DecodeRows.of_tensors(case.read, case.write)                # as the engine hands them down
     if compiled:
         op = torch.compile(op, fullgraph=True, dynamic=False)

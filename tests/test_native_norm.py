@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
 from hybrid_engine.kernels import fused, norm, rope_cos_sin
-from hybrid_engine.kernels.cpu import rms_norm as native
+from hybrid_engine.kernels.cpu import forms, rms_norm as native
 from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
 
 from checkpoints import make_hf_model, save_checkpoint
@@ -214,35 +214,34 @@ def test_the_ops_take_the_torch_form_where_the_kernel_cannot(monkeypatch):
     g = torch.Generator().manual_seed(9)
     x, h = 3 * torch.randn(2, 3, 16, generator=g)
     w = 0.2 * torch.randn(16, generator=g)
-    for got, want in zip(norm.add_rms_norm(x, h[:1], w, EPS), norm.add_rms_norm_torch(x, h[:1], w, EPS)):
+    for got, want in zip(forms.add_rms_norm(x, h[:1], w, EPS), norm.add_rms_norm_torch(x, h[:1], w, EPS)):
         assert torch.equal(got, want)
-    assert torch.equal(norm.gated_rms_norm(x, h.double(), w, EPS), norm.gated_rms_norm_torch(x, h.double(), w, EPS))
+    assert torch.equal(forms.gated_rms_norm(x, h.double(), w, EPS), norm.gated_rms_norm_torch(x, h.double(), w, EPS))
     per_head = 0.2 * torch.randn(3, 16, generator=g)
-    assert torch.equal(norm.rms_norm(x, per_head, EPS), norm.rms_norm_torch(x, per_head, EPS))
+    assert torch.equal(forms.rms_norm(x, per_head, EPS), norm.rms_norm_torch(x, per_head, EPS))
     assert not calls
 
 
 def _count_kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts the native entry points' calls by kind."""
     calls: dict[str, int] = {}
-    for name, module in (("rms_norm_native", norm), ("add_rms_norm_native", norm),
-                         ("gated_rms_norm_native", norm), ("qk_norm_rope_native", fused)):
+    for name in ("rms_norm_native", "add_rms_norm_native", "gated_rms_norm_native", "qk_norm_rope_native"):
         def counted(*args, _fn=getattr(native, name), _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
+        monkeypatch.setattr(native, name, counted)
     return calls
 
 
 def _uses_torch_forms(monkeypatch) -> None:
-    monkeypatch.setattr(norm, "can_run_native", lambda *a: False)
-    monkeypatch.setattr(fused, "can_run_qk_norm_rope", lambda *a: False)
+    monkeypatch.setattr(native, "can_run_native", lambda *a: False)
+    monkeypatch.setattr(native, "can_run_qk_norm_rope", lambda *a: False)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_ops_take_the_kernel_where_it_runs(dtype, compiled, monkeypatch):
-    """At a native level each public op calls the kernel eagerly; at level none, and traced by
+    """At a native level each of the cpu backend's ops calls the kernel eagerly; at level none, and traced by
     torch.compile (one graph, no break), the torch form. The result is the
     torch form's either way."""
     calls = _count_kernel_calls(monkeypatch)
@@ -255,9 +254,9 @@ def test_the_ops_take_the_kernel_where_it_runs(dtype, compiled, monkeypatch):
     cos, sin = rope_cos_sin(torch.tensor([0, 3, 90]), 16, 1e7, dtype)
 
     def all_ops(x, h, q, k):
-        total, y = norm.add_rms_norm(x, h, w, EPS)
-        return (norm.rms_norm(x, w, EPS), total, y, norm.gated_rms_norm(x, h, 1 + w, EPS),
-                *fused.qk_norm_rope(q[..., :32], k, w_q, w_k, EPS, cos, sin))
+        total, y = forms.add_rms_norm(x, h, w, EPS)
+        return (forms.rms_norm(x, w, EPS), total, y, forms.gated_rms_norm(x, h, 1 + w, EPS),
+                *forms.qk_norm_rope(q[..., :32], k, w_q, w_k, EPS, cos, sin))
 
     want = (norm.rms_norm_torch(x, w, EPS), *norm.add_rms_norm_torch(x, h, w, EPS),
             norm.gated_rms_norm_torch(x, h, 1 + w, EPS),

@@ -26,8 +26,8 @@ def ckpt(tmp_path_factory):
 
 def _engine(ckpt, keyless=None, **kw):
     """keyless: the builder's keyless_query_lens, whatever the engine chose for this machine's
-    kernels (frozenset(): the steady state updates the attention keys; {1}: it has none, and
-    where no native kernel runs the layers make them)."""
+    kernels (frozenset(): the steady state updates the attention keys; {1}: it has none, which
+    only a backend whose attention reads the cache in place may run)."""
     engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", block_size=4, max_num_seqs=6,
                                     max_num_batched_tokens=64, **kw))
     if keyless is not None:
@@ -149,7 +149,6 @@ def test_steady_decode_keeps_its_batch_across_block_boundaries_where_keyless(ckp
 def test_decode_steps_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
     """The engine leaves the keys out of plain decode steps where the native kernel serves every
     attention layer (and keeps them where not), with the tokens of a run that keeps them."""
-    from hybrid_engine.kernels.attention import needs_paged_keys
     tokens, keys_seen = {}, {}
     for keyless in (None, frozenset()):
         engine = _engine(ckpt, keyless)
@@ -163,7 +162,8 @@ def test_decode_steps_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
                 keys_seen[keyless].add(engine.builder._last_decode.inputs.batch.attention.keys is not None)
         tokens[keyless] = [outs[i] for i in ids]
         if keyless is None:
-            native = not needs_paged_keys(engine.cache.kv_caches[0], engine.model_config.num_attention_heads, 1)
+            native = not engine.kernels.attention_reads_keys(engine.cache.kv_caches[0],
+                                                             engine.model_config.num_attention_heads, 1)
             assert engine.builder.keyless_query_lens == (frozenset({1}) if native else frozenset())
     assert keys_seen == {None: {not native}, frozenset(): {True}}
     assert tokens[None] == tokens[frozenset()]
@@ -173,7 +173,6 @@ def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
     """With k drafts the engine leaves the keys out of every query length 1..k+1 the native
     kernel serves in all attention layers (the MTP layer's included), the drafter's passes too,
     with the tokens of a run that keeps them."""
-    from hybrid_engine.kernels.attention import needs_paged_keys
     k, tokens, keys_seen = 3, {}, {}
     for keyless in (None, frozenset()):
         engine = _engine(ckpt, keyless, speculative_config={"method": "mtp", "num_speculative_tokens": k})
@@ -195,7 +194,7 @@ def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
         if keyless is None:
             heads = engine.model_config.num_attention_heads
             served = {q for q in range(1, k + 2)
-                      if not any(needs_paged_keys(kv, heads, q) for kv in engine.cache.kv_caches)}
+                      if not any(engine.kernels.attention_reads_keys(kv, heads, q) for kv in engine.cache.kv_caches)}
             assert engine.builder.keyless_query_lens == frozenset(served)
     assert {n for n, _ in keys_seen[None]} & {1, 2}          # drafts and some catch-ups ran
     assert keys_seen[None] == {(n, n not in served) for n, _ in keys_seen[None]}

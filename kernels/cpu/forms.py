@@ -37,37 +37,37 @@ NATIVE_MAX_QUERY_LEN = 16
 def rms_norm(x, weight, eps):
     if native_norm.can_run_native(x, weight):
         return native_norm.rms_norm_native(x, weight, eps)
-    return norm.rms_norm(x, weight, eps)
+    return norm.rms_norm_torch(x, weight, eps)
 
 
 def add_rms_norm(x, h, weight, eps):
     if h.shape == x.shape and h.dtype == x.dtype and native_norm.can_run_native(x, weight):
         return native_norm.add_rms_norm_native(x, h, weight, eps)
-    return norm.add_rms_norm(x, h, weight, eps)
+    return norm.add_rms_norm_torch(x, h, weight, eps)
 
 
 def gated_rms_norm(x, z, weight, eps):
     if z.shape == x.shape and z.dtype == x.dtype and native_norm.can_run_native(x, weight):
         return native_norm.gated_rms_norm_native(x, z, weight, eps)
-    return norm.gated_rms_norm(x, z, weight, eps)
+    return norm.gated_rms_norm_torch(x, z, weight, eps)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
     if native_norm.can_run_qk_norm_rope(q, k, q_weight, k_weight, cos, sin):
         return native_norm.qk_norm_rope_native(q, k, q_weight, k_weight, eps, cos, sin)
-    return fused.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    return fused.qk_norm_rope_torch(q, k, q_weight, k_weight, eps, cos, sin)
 
 
 def silu_mul(x):
     if native_silu_mul.can_run_native(x):
         return native_silu_mul.silu_mul_native(x)
-    return activation.silu_mul(x)
+    return activation.silu_mul_torch(x)
 
 
 def causal_conv1d_update(x, weight, window_pool, read_slots, write_slots, rows: DecodeRows | None = None):
     if native_conv.can_run_native(x, weight, window_pool):    # any slots: the kernel reads all first too
         return native_conv.conv_update_op(x, weight, window_pool, read_slots, write_slots)
-    return conv.causal_conv1d_update(x, weight, window_pool, read_slots, write_slots, rows)
+    return conv.causal_conv1d_update_torch(x, weight, window_pool, read_slots, write_slots, rows)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state_pool, read_slots, write_slots, scale=None,

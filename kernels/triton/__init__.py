@@ -1,6 +1,6 @@
 """Triton (GPU) backend of the engine's kernels: same names and contracts as the torch ops.
 
-Imported lazily by kernels/dispatch.py the first time an op runs on this backend (importing
+Imported by kernels/backends.py when an engine chooses this backend (importing
 fla takes seconds). On CPU tensors these kernels run only under TRITON_INTERPRET=1 with
 `interpreter_shim.install()` applied, which is how tests/triton checks them.
 """

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybrid_engine import EngineConfig, LLMEngine, SamplingParams, kernels
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.decode_graphs import DecodeGraphs
 from hybrid_engine.kernels.triton import attention as triton_attention
 from hybrid_engine.kernels.triton import common as triton_common
@@ -21,10 +21,10 @@ HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "
               "masked_select", "tolist"}
 
 
-def _engine(device, k, graphs):
+def _engine(device, k, graphs, backend="triton"):
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     engine = LLMEngine(EngineConfig(dtype="float32", device=device, block_size=4, max_num_seqs=4,
-                                    speculative_config=spec, enforce_eager=True))
+                                    speculative_config=spec, enforce_eager=True, kernel_backend=backend))
     if graphs:
         engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
             engine.model, engine.cache, engine.builder, [1, 1 + k], [2, 4], capture=device == "cuda"))
@@ -44,14 +44,12 @@ def _generate(engine):
 
 @pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp2"])
 def test_graph_path_on_triton_matches_torch(device, k):
-    with kernels.using_backend("torch"):
-        ref = _generate(_engine(device, k, graphs=False))
-    with kernels.using_backend("triton"):
-        engine = _engine(device, k, graphs=True)
-        runs = []
-        run = engine.runner.decode_graphs.run
-        engine.runner.decode_graphs.run = lambda inputs: runs.append(inputs.batch.num_decodes) or run(inputs)
-        out = _generate(engine)
+    ref = _generate(_engine(device, k, graphs=False, backend="torch"))
+    engine = _engine(device, k, graphs=True)
+    runs = []
+    run = engine.runner.decode_graphs.run
+    engine.runner.decode_graphs.run = lambda inputs: runs.append(inputs.batch.num_decodes) or run(inputs)
+    out = _generate(engine)
     assert out == ref
     assert any(b in (1, 3) for b in runs), f"no padded step among batch sizes {runs}"
     if device == "cuda":
@@ -76,15 +74,14 @@ def test_graphed_step_reads_nothing_back_to_the_host(device, k, monkeypatch):
     # HYBRID_ENGINE_KERNEL_CHECKS=1); switch them off here too, on any device.
     monkeypatch.setattr(triton_common, "checks_enabled", lambda x: False)
     monkeypatch.setattr(triton_attention, "checks_enabled", lambda x: False)
-    with kernels.using_backend("triton"):
-        engine = _engine(device, k, graphs=True)
-        graphs = engine.runner.decode_graphs.graphs[1 + k]
-        for prompt in PROMPTS:
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        engine.step()                                        # prefill (eager)
-        if k:
-            engine.step()                                    # a first verify fills the buffers
-        views = graphs._pad(4, 0)                            # what capture runs on: all padding
-        with torch.inference_mode(), _HostReads() as reads:
-            graphs.step(views)
+    engine = _engine(device, k, graphs=True)
+    graphs = engine.runner.decode_graphs.graphs[1 + k]
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()                                            # prefill (eager)
+    if k:
+        engine.step()                                        # a first verify fills the buffers
+    views = graphs._pad(4, 0)                                # what capture runs on: all padding
+    with torch.inference_mode(), _HostReads() as reads:
+        graphs.step(views)
     assert reads.ops == [], f"host reads in a graphed step: {reads.ops}"

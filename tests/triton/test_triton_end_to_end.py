@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine import LLM, SamplingParams, kernels
+from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.kernels import triton as tk
 
 PROMPTS = [[5, 17, 3, 99, 250, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -24,10 +24,8 @@ def model_cache(tmp_path_factory):
 def _generate(backend, spec, device, cache_dir, monkeypatch):
     # The engine's build cache (kernels/cpu/build.py): this test's own, not the user's.
     monkeypatch.setenv("HYBRID_ENGINE_CACHE_DIR", str(cache_dir))
-    with kernels.using_backend(backend):
-        llm = LLM(dtype="float32", device=device, block_size=4, speculative_config=spec)
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-                            use_tqdm=False)
+    llm = LLM(dtype="float32", device=device, block_size=4, speculative_config=spec, kernel_backend=backend)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     return [o.token_ids for o in outs]
 
 

@@ -1,5 +1,5 @@
 """Triton norms, partial RoPE and the fused q/k-norm + RoPE against the torch ops, and the
-backend dispatcher."""
+kernel backends that hand them out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 from triton_cases import TORCH
 
 from hybrid_engine import kernels
-from hybrid_engine.kernels import dispatch
 from hybrid_engine.kernels import triton as tk
 
 
@@ -66,34 +65,13 @@ def test_qk_norm_rope_matches_torch(device):
     torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
 
 
-def test_dispatch_modes(device, monkeypatch):
-    x = torch.randn(2, 8, device=device)
-    w = torch.zeros(8, device=device)
-    calls = []
-    monkeypatch.setattr(tk, "rms_norm", lambda *a: calls.append("triton") or TORCH["rms_norm"](*a))
-    assert dispatch.get_backend() == "auto"
-    kernels.rms_norm(x, w, 1e-6)
-    assert len(calls) == (1 if device == "cuda" else 0)      # auto: triton only on CUDA tensors
-    calls.clear()
-    with kernels.using_backend("triton"):
-        kernels.rms_norm(x, w, 1e-6)
-    with kernels.using_backend("torch"):
-        kernels.rms_norm(x, w, 1e-6)
-    assert calls == ["triton"]
-    assert dispatch.get_backend() == "auto"
+def test_backends_take_their_ops(device):
+    """The triton backend's norms are the triton kernels, the torch backend's the references;
+    auto picks triton on CUDA only; a name that is no backend is refused."""
+    triton = kernels.make_backend("triton", device)
+    assert triton.rms_norm is tk.rms_norm and triton.qk_norm_rope is tk.qk_norm_rope
+    assert kernels.make_backend("torch", device).rms_norm is TORCH["rms_norm"]
+    assert kernels.make_backend("auto", device).name == ("triton" if device == "cuda" else kernels.make_backend(
+        "auto", "cpu").name)
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        kernels.set_backend("cuda")
-    assert kernels.rms_norm.torch_op is TORCH["rms_norm"]
-
-
-def test_env_var_sets_the_starting_backend(monkeypatch):
-    import importlib
-
-    monkeypatch.setenv("HYBRID_ENGINE_KERNEL_BACKEND", "torch")
-    importlib.reload(dispatch)
-    try:
-        assert kernels.get_backend() == "torch"              # the public wrappers read the same module
-    finally:
-        monkeypatch.delenv("HYBRID_ENGINE_KERNEL_BACKEND")
-        importlib.reload(dispatch)
-    assert kernels.get_backend() == "auto"
+        kernels.make_backend("cuda", device)
