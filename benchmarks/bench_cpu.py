@@ -280,12 +280,13 @@ def bytes_per_decode_step(config: dict, dtype: str, context: int) -> dict:
     """Bytes a batch-1 decode step must read: every weight once (a tied embedding once, as
     lm_head), each GDN layer's recurrent state (float32) and conv window, and the KV cache."""
     import torch
-    from hybrid_engine.models import HybridForCausalLM, parse_config
+    import math
+    from hybrid_engine.models import HybridForCausalLM, checkpoint_shapes, parse_config
     cfg = parse_config(config)
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, with_mtp=False)
     itemsize = getattr(torch, dtype).itemsize
-    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    weights = sum(math.prod(shape) for shape in checkpoint_shapes(model).values()) * itemsize
     if not cfg.tie_word_embeddings:                 # the input embedding is read one row at a time
         weights -= model.embed_tokens.weight.numel() * itemsize
     n_gdn, n_attn = len(cfg.linear_attention_layers), len(cfg.full_attention_layers)

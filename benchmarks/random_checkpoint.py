@@ -25,21 +25,21 @@ def write_random_checkpoint(folder: Path, config: dict, seed: int = 0) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from hybrid_engine.models import HybridForCausalLM, parse_config
+    from hybrid_engine.models import HybridForCausalLM, checkpoint_shapes, parse_config
 
     with torch.device("meta"):
         model = HybridForCausalLM(parse_config(config), with_mtp=True)
     device = torch.get_default_device()
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
-    for name, p in model.state_dict().items():
+    for name, shape in checkpoint_shapes(model).items():
         if name.endswith("A_log"):
-            t = torch.empty(p.shape, device=device).uniform_(0.01, 16, generator=gen).log()
-        elif p.dim() == 1:
-            t = torch.randn(p.shape, generator=gen, device=device) * 0.1
+            t = torch.empty(shape, device=device).uniform_(0.01, 16, generator=gen).log()
+        elif len(shape) == 1:
+            t = torch.randn(shape, generator=gen, device=device) * 0.1
             t += 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
         else:
-            t = torch.randn(p.shape, generator=gen, device=device) * 0.05
+            t = torch.randn(shape, generator=gen, device=device) * 0.05
         state[name if name.startswith("mtp.") else f"model.{name}"] = t.cpu()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, str(folder / "model.safetensors.tmp"))

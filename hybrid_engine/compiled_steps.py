@@ -61,8 +61,8 @@ class CompiledSteps:
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
         # would pack for a slower GEMV and double the weights, so it is off there.
         # Set by the backend, which runs only when a graph is compiled.
-        head = model.lm_head_weight()
-        freeze = head.device.type == "cpu" and onednn_packs(head.dtype)
+        weights = model.norm.weight                 # the model's device and dtype (never freed)
+        freeze = weights.device.type == "cpu" and onednn_packs(weights.dtype)
         # No 0/1 specialisation of dynamic sizes (size-oblivious tracing), so that batch 1
         # shares the graphs of larger batches. Dynamo reads this while it traces, before any
         # backend runs, so it is set here, once, for the process (it changes no result of an

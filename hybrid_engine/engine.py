@@ -137,10 +137,14 @@ class LLMEngine:
             config.model = str(default_model_path())
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
         # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
-        self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0)
-        self.tokenizer = load_tokenizer(config.model)
-        # The kernel backend (kernels/backends.py), chosen once: every step's ForwardBatch carries it.
+        # The kernel backend (kernels/backends.py), chosen once: every step's ForwardBatch carries
+        # it, and its linear method gives the projections their weight layouts as they load.
         self.kernels = make_backend(config.kernel_backend, config.device)
+        method = self.kernels.linear_method(compiled=config.enable_torch_compile,
+                                            few_rows_copy=config.bf16_few_rows_copy)
+        self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0,
+                                                   method=method)
+        self.tokenizer = load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         prefix_on = config.enable_prefix_caching
@@ -169,8 +173,7 @@ class LLMEngine:
                                         self._keyless_query_lens(), self._recurrent_prefill(), self.kernels)
         graphs = self._decode_graphs()
         compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
-        self.runner = ModelRunner(self.model, self.cache, graphs, compiled, config.bf16_few_rows_copy,
-                                  pack_weights=self.kernels.name == "cpu")
+        self.runner = ModelRunner(self.model, self.cache, graphs, compiled)
         self.drafter = MTPDrafter(self.model, self.cache, k, self.builder, compiled) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats, self.prefix)

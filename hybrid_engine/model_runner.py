@@ -13,29 +13,20 @@ from .step_inputs import StepInputs
 
 
 class ModelRunner:
-    """pack_weights: give the projections the CPU layouts (the cpu kernel backend).
-    decode_graphs: when given (CUDA, hybrid_engine/decode_graphs.py), pure decode and
+    """decode_graphs: when given (CUDA, hybrid_engine/decode_graphs.py), pure decode and
     verify steps of a captured batch size replay a graph. compiled: when given
     (hybrid_engine/compiled_steps.py), pure decode and verify steps run torch.compile'd.
     Every other step runs eagerly."""
 
     def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager,
-                 decode_graphs: DecodeGraphs | None = None, compiled: CompiledSteps | None = None,
-                 bf16_few_rows_copy: bool = True, pack_weights: bool = True):
+                 decode_graphs: DecodeGraphs | None = None, compiled: CompiledSteps | None = None):
         self.model = model
         self.cache = cache
         self.decode_graphs = decode_graphs
         self.compiled = compiled
-        # CPU weight layouts (kernels/cpu/projection.py, chosen per projection once): blocked
-        # for the native kernel, which compiled steps call too; bf16/fp16 reordered for oneDNN
-        # where the CPU level allows, except under compiled steps, which pack their own
-        # (inductor's freezing); bf16 also keeps a blocked copy for products of a few rows
-        # unless told not to. Only for the cpu kernel backend: the torch one calls no native code.
-        if pack_weights:
-            model.pack_weights(onednn=compiled is None, few_rows_copy=bf16_few_rows_copy)
         if decode_graphs is not None:
             with torch.inference_mode():
-                decode_graphs.capture()      # after packing: graphs hold the final weight tensors
+                decode_graphs.capture()
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,9 @@ No module-level state picks a backend.
             cannot take the call (kernels/cpu/forms.py says where)
     triton  the GPU kernels of kernels/triton/ (imported on first use: fla takes seconds)
 
-Besides its ops a backend answers the questions the engine's builder asks once, at build time,
+A backend also chooses the projections' linear method (`linear_method`, kernels/linear.py: the
+weights' layout after loading and the product), and answers the questions the engine's builder
+asks once, at build time,
 about how a step should be laid out for it: whether attention of a given query length reads
 the step's PagedKeys (`attention_reads_keys`) and whether prefill segments' GDN layers run
 through the decode kernel (`gdn_decode_serves_prefill`).
@@ -21,6 +23,7 @@ import importlib.util
 import torch
 
 from . import activation, attention, conv, fused, gdn, norm, rope
+from .linear import LinearMethod
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -57,6 +60,11 @@ class KernelBackend:
         for op_name in OP_NAMES:
             setattr(self, op_name, ops[op_name])
 
+    def linear_method(self, compiled: bool = False, few_rows_copy: bool = True) -> LinearMethod:
+        """The projections' linear method for an engine on this backend: the plain weights here.
+        compiled: the engine's steps are torch.compile'd; few_rows_copy: see CpuBackend."""
+        return LinearMethod()
+
     def attention_reads_keys(self, kv_cache: torch.Tensor, num_heads: int, query_len: int) -> bool:
         """Whether attention of steps whose sequences all have `query_len` new tokens reads
         AttentionLayout.keys (the builder leaves them out where it does not)."""
@@ -79,6 +87,14 @@ class CpuBackend(KernelBackend):
         self._forms = forms
         super().__init__("cpu", {**TORCH_OPS, **{name: getattr(forms, name) for name in OP_NAMES
                                                  if hasattr(forms, name)}})
+
+    def linear_method(self, compiled=False, few_rows_copy=True):
+        """Each weight in the layout kernels/cpu/projection.py chooses for it: blocked for the
+        native kernels, bf16/fp16 packed for oneDNN where the level allows (not under compiled
+        steps: inductor's freezing packs the weights of its graphs itself), and bf16 with a
+        blocked copy for products of a few rows unless few_rows_copy is False."""
+        from .cpu.projection import CpuLinearMethod
+        return CpuLinearMethod(onednn=not compiled, few_rows_copy=few_rows_copy)
 
     def attention_reads_keys(self, kv_cache, num_heads, query_len):
         return not self._forms.reads_cache_in_place(kv_cache, num_heads, query_len)

@@ -3,7 +3,7 @@
 from .batch import ForwardBatch, LayerCaches
 from .config import ConfigError, ModelConfig, load_config, parse_config
 from .qwen3_5 import HybridForCausalLM
-from .load import load_model
+from .load import checkpoint_shapes, load_model
 
 __all__ = ["ConfigError", "ForwardBatch", "HybridForCausalLM", "LayerCaches", "ModelConfig",
-           "load_config", "load_model", "parse_config"]
+           "checkpoint_shapes", "load_config", "load_model", "parse_config"]

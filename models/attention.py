@@ -7,13 +7,13 @@ from torch import nn
 
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .linear import linear, merge_projections
+from hybrid_engine.kernels.linear import LinearMethod
+
+from .linear import Linear
 
 
 class GatedAttention(nn.Module):
-    PACKED_WEIGHTS = ["qkv_weight", "o_proj.weight"]
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -22,18 +22,16 @@ class GatedAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         h, hd = cfg.hidden_size, cfg.head_dim
         # q_proj is doubled: per head, hd query rows then hd output-gate rows (interleaved per head).
-        self.q_proj = nn.Linear(h, self.num_heads * hd * 2, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.qkv_proj = Linear(h, shards={"q_proj": self.num_heads * hd * 2, "k_proj": self.num_kv_heads * hd,
+                                          "v_proj": self.num_kv_heads * hd}, method=method)
+        self.o_proj = Linear(self.num_heads * hd, h, method=method)
         self.q_norm = _NormWeight(hd)
         self.k_norm = _NormWeight(hd)
-        merge_projections(self, "qkv_weight", ["q_proj", "k_proj", "v_proj"])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q_gate, k, v = linear(x, self.qkv_weight).split(self.qkv_weight_sizes, dim=-1)
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # q/k norms are zero-centred RMSNorms over head_dim, applied before RoPE.
         ops = batch.kernels
@@ -45,7 +43,7 @@ class GatedAttention(nn.Module):
                             batch.attention)
         # The gate is per head and per dim, in the same (head, dim) order as the output.
         o = o * torch.sigmoid(gate)
-        return linear(o.reshape(t, -1), self.o_proj.weight)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class _NormWeight(nn.Module):

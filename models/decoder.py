@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid_engine.kernels.linear import LinearMethod
+
 from .attention import GatedAttention, _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, LINEAR, ModelConfig
@@ -18,7 +20,8 @@ class DecoderLayer(nn.Module):
     pool (attention) or the conv/recurrent pools (GDN) out of LayerCaches.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_type: str, cache_index: int, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, cache_index: int, mlp: nn.Module,
+                 method: LinearMethod | None = None):
         super().__init__()
         self.layer_type = layer_type
         self.cache_index = cache_index
@@ -26,9 +29,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _NormWeight(cfg.hidden_size)
         self.post_attention_layernorm = _NormWeight(cfg.hidden_size)
         if layer_type == FULL:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, method)
         elif layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, method)
         else:
             raise ValueError(f"unknown layer type {layer_type!r}")
         self.mlp = mlp

@@ -16,13 +16,13 @@ from torch import nn
 
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .linear import linear, merge_projections
+from hybrid_engine.kernels.linear import LinearMethod
+
+from .linear import Linear
 
 
 class GatedDeltaNet(nn.Module):
-    PACKED_WEIGHTS = ["in_proj_weight", "out_proj.weight"]
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
         super().__init__()
         h = cfg.hidden_size
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -31,18 +31,20 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
         # Qwen3.5 layout; the loader converts Qwen3-Next's grouped in_proj_qkvz / in_proj_ba to it.
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)   # rows [q | k | v], head-major
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        # in_proj_qkv's rows [q | k | v], head-major; z: the output gate; b, a: per value head
+        self.in_proj = Linear(h, shards={"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
+                                         "in_proj_b": self.hv, "in_proj_a": self.hv}, method=method)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = _PlainNormWeight(self.dv)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
-        merge_projections(self, "in_proj_weight", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
-        self.register_load_state_dict_post_hook(_derive_decay_rate)
-        _derive_decay_rate(self)
+        self.out_proj = Linear(self.value_dim, h, method=method)
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """-exp(A_log) in fp32, a per-layer constant: computed at construction and after loading
+        rather than in every step (so an in-place edit of A_log takes effect only through this)."""
+        self.register_buffer("neg_decay_rate", -self.A_log.detach().float().exp(), persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
                 state_pool: torch.Tensor, checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -51,7 +53,7 @@ class GatedDeltaNet(nn.Module):
         gdn_captures go."""
         t = x.shape[0]
         # mixed: [T, conv_dim], pre-conv q|k|v; z: output gate; b, a: per value head
-        mixed, z, b, a = linear(x, self.in_proj_weight).split(self.in_proj_weight_sizes, dim=-1)
+        mixed, z, b, a = self.in_proj.split(self.in_proj(x))
         conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
         p = batch.num_prefill_tokens
         if p == t:
@@ -62,7 +64,7 @@ class GatedDeltaNet(nn.Module):
             o = torch.cat([self._prefill(mixed[:p], b[:p], a[:p], conv_w, batch, conv_pool, state_pool, checkpoints),
                            self._decode(mixed[p:], b[p:], a[p:], conv_w, batch, conv_pool, state_pool)])
         y = batch.kernels.gated_rms_norm(o, z.view(t, self.hv, self.dv), self.norm.weight, self.eps)  # plain weight, not 1+w
-        return linear(y.view(t, self.value_dim), self.out_proj.weight)
+        return self.out_proj(y.view(t, self.value_dim))
 
     def _prefill(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool,
                  checkpoints) -> torch.Tensor:
@@ -134,13 +136,6 @@ class GatedDeltaNet(nn.Module):
                                      a.view(nd, dl, self.hv), conv_w, self.dt_bias, self.neg_decay_rate,
                                      conv_pool, state_pool, read, batch.state_write_slots, rows=batch.decode_rows)
         return o.view(nd * dl, self.hv, self.dv)
-
-
-def _derive_decay_rate(module: GatedDeltaNet, _incompatible_keys=None) -> None:
-    """-exp(A_log) in fp32, a per-layer constant: computed at construction and after every
-    load_state_dict rather than in every step (so an in-place edit of A_log takes effect only
-    through load_state_dict)."""
-    module.register_buffer("neg_decay_rate", -module.A_log.detach().float().exp(), persistent=False)
 
 
 class _PlainNormWeight(nn.Module):

@@ -6,17 +6,58 @@ from pathlib import Path
 
 import torch
 
+from torch import nn
+
+from hybrid_engine.kernels.linear import LinearMethod
+
 from .config import ConfigError, ModelConfig, load_config
+from .linear import Linear
 from .loader import load_weights, resolve_dtype
 from .qwen3_5 import HybridForCausalLM
 
 
+def checkpoint_shapes(model: HybridForCausalLM) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint holds for `model`, by their names there (without the leading
+    `model.`) -> shapes: each projection layer's own (`Linear.checkpoint_shapes`: a merged layer
+    names each of its projections), every other parameter under its module's name. A tied
+    lm_head has none of its own."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            if not (name == "lm_head" and model.cfg.tie_word_embeddings):
+                shapes.update(module.checkpoint_shapes(name))
+            continue
+        if any(name.startswith(prefix + ".") for prefix in linears):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            shapes[f"{name}.{pname}" if name else pname] = tuple(p.shape)
+    return shapes
+
+
+def _loaders(model: HybridForCausalLM) -> dict[str, callable]:
+    """Checkpoint name -> what takes that tensor: the projection layer's weight loader, or the
+    assignment of a module's parameter."""
+    loaders = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            for ckpt_name in module.checkpoint_shapes(name):
+                loaders[ckpt_name] = lambda t, n=ckpt_name, m=module: m.weight_loader(n, t)
+        else:
+            for pname, _ in module.named_parameters(recurse=False):
+                loaders[f"{name}.{pname}" if name else pname] = (
+                    lambda t, m=module, a=pname: setattr(m, a, nn.Parameter(t, requires_grad=False)))
+    return loaders
+
+
 def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-               with_mtp: bool = False) -> tuple[HybridForCausalLM, ModelConfig]:
+               with_mtp: bool = False, method: LinearMethod | None = None) -> tuple[HybridForCausalLM, ModelConfig]:
     """with_mtp: keep the checkpoint's MTP head (for speculative decoding). Its `mtp.*` tensors
     are read and checked either way (unless config.json's mtp_num_hidden_layers is 0: no head);
     without it they are dropped after the check, so no MTP weights stay resident and the model
-    has no MTP layer (nor, then, its KV pool)."""
+    has no MTP layer (nor, then, its KV pool). method: the projections' linear method (the
+    engine's kernel backend's; None: plain weights). The loader hands each tensor to what takes
+    it, then every layer processes its weights once (`process_weights_after_loading`)."""
     cfg = load_config(folder)
     if with_mtp and cfg.mtp_num_hidden_layers == 0:
         raise ConfigError(f"{Path(folder) / 'config.json'} sets mtp_num_hidden_layers 0: the model has no MTP "
@@ -25,13 +66,16 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     # Built on the meta device: the loader's tensors are assigned, nothing is initialised twice.
     # mtp_num_hidden_layers 0 says there is no head: any mtp.* tensors are then left unread.
     with torch.device("meta"):
-        model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
-    weights = load_weights(folder, cfg, expected, torch_dtype)
+        model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method)
+    weights = load_weights(folder, cfg, checkpoint_shapes(model), torch_dtype)
     if not with_mtp or not any(name.startswith("mtp.") for name in weights):
         weights = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
         model.mtp = None
-    weights = {n: t.to(device) for n, t in weights.items()}
-    model.load_state_dict(weights, strict=True, assign=True)
+    loaders = _loaders(model)
+    for name, tensor in weights.items():
+        loaders[name](tensor.to(device))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight_loader("lm_head.weight", model.embed_tokens.weight)
+    model.process_weights_after_loading()
     model.requires_grad_(False)
     return model.eval(), cfg

@@ -7,23 +7,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .linear import merge_projections, swiglu
+from hybrid_engine.kernels.linear import LinearMethod
+
+from .linear import Linear, swiglu
 
 
 class SwiGLU(nn.Module):
-    PACKED_WEIGHTS = ["gate_up_weight", "down_proj.weight"]
-
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, method: LinearMethod | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        merge_projections(self, "gate_up_weight", ["gate_proj", "up_proj"])
+        self.gate_up_proj = Linear(hidden, shards={"gate_proj": intermediate, "up_proj": intermediate}, method=method)
+        self.down_proj = Linear(intermediate, hidden, method=method)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        # one native call where the weights' layouts allow, else the products and the
-        # backend's silu_mul: chosen by the weights and x alone, per call
-        return swiglu(x, self.gate_up_weight, self.down_proj.weight, ops.silu_mul)
+        # one fused call where the method has one for both layouts, else the products and the
+        # backend's silu_mul
+        return swiglu(x, self.gate_up_proj, self.down_proj, ops.silu_mul)
 
 
 class Experts(nn.Module):
@@ -55,14 +53,17 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The router (`gate`) and `shared_expert_gate` stay plain nn.Linear: tiny, and kept in float
+    by every quantized format."""
+
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
         super().__init__()
         h = cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(h, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size)
-        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size)
+        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size, method)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
@@ -75,7 +76,7 @@ class SparseMoE(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
 
 
-def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+def make_mlp(cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = None) -> nn.Module:
     if cfg.layer_is_moe(layer_idx):
-        return SparseMoE(cfg)
-    return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        return SparseMoE(cfg, method)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, method)

@@ -13,22 +13,22 @@ from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from .linear import linear
+from hybrid_engine.kernels.linear import LinearMethod
+
+from .linear import Linear
 from .mlp import SparseMoE, SwiGLU
 
 
 class MTPHead(nn.Module):
-    PACKED_WEIGHTS = ["fc.weight"]
-
-    def __init__(self, cfg: ModelConfig, kv_cache_index: int):
+    def __init__(self, cfg: ModelConfig, kv_cache_index: int, method: LinearMethod | None = None):
         super().__init__()
         h = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.pre_fc_norm_embedding = _NormWeight(h)
         self.pre_fc_norm_hidden = _NormWeight(h)
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        mlp = SparseMoE(cfg) if cfg.num_experts > 0 else SwiGLU(h, cfg.intermediate_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, FULL, kv_cache_index, mlp)])
+        self.fc = Linear(2 * h, h, method=method)
+        mlp = SparseMoE(cfg, method) if cfg.num_experts > 0 else SwiGLU(h, cfg.intermediate_size, method)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, FULL, kv_cache_index, mlp, method)])
         self.norm = _NormWeight(h)
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
@@ -37,6 +37,6 @@ class MTPHead(nn.Module):
         rms_norm = batch.kernels.rms_norm
         e = rms_norm(token_embeds, self.pre_fc_norm_embedding.weight, self.eps)
         h = rms_norm(hidden, self.pre_fc_norm_hidden.weight, self.eps)
-        x = linear(torch.cat([e, h], dim=-1), self.fc.weight)   # order matters: embedding first, then hidden
+        x = self.fc(torch.cat([e, h], dim=-1))   # order matters: embedding first, then hidden
         x = self.layers[0](x, batch, caches, rope)
         return rms_norm(x, self.norm.weight, self.eps)

@@ -10,46 +10,44 @@ import torch
 from torch import nn
 
 from hybrid_engine.kernels import rope_cos_sin
+from hybrid_engine.kernels.linear import LinearMethod
 
 from .attention import _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, ModelConfig
 from .decoder import DecoderLayer
-from hybrid_engine.kernels.cpu.projection import PlainProjection, Projection, choose_projection
-
-from .linear import linear, prepare_projections
+from .linear import Linear
 from .mlp import make_mlp
 from .mtp import MTPHead
 
 
 class HybridForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+    """method: the linear method of every projection (kernels/linear.py; None: the plain one),
+    which owns their weights' layouts. With tied embeddings lm_head is loaded with the embedding
+    table (models/load.py); where its method then holds the values in a layout of its own, the
+    plain table is freed and the embedding reads its rows from lm_head."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, method: LinearMethod | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layers, counts = [], {"full_attention": 0, "linear_attention": 0}
         for i, kind in enumerate(cfg.layer_types):
-            layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i)))
+            layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i, method), method))
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = _NormWeight(cfg.hidden_size)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=method)
         # The MTP layer's KV pool comes right after the main model's attention pools.
-        self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL]) if with_mtp else None
-        # lm_head's projection (kernels/cpu/projection.py), chosen by pack_weights
-        self.lm_head_projection: Projection | None = None
+        self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL], method=method) if with_mtp else None
 
     @property
     def num_kv_layers(self) -> int:
         return len(self.cfg.full_attention_layers) + (1 if self.mtp is not None else 0)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens.weight.is_meta:      # tied, and lm_head's projection holds the table
-            return self.lm_head_projection.rows(token_ids)
+        if self.embed_tokens.weight.is_meta:      # tied, and lm_head's method holds the table
+            return self.lm_head.rows(token_ids)
         return self.embed_tokens(token_ids)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -82,47 +80,40 @@ class HybridForCausalLM(nn.Module):
         return self.mtp(embeds, hidden.to(embeds.dtype), batch, caches, rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight() if self.lm_head_projection is None else self.lm_head_projection
-        return linear(hidden, weight)
+        return self.lm_head(hidden)
 
-    def pack_weights(self, onednn: bool = True, few_rows_copy: bool = True) -> None:
-        """Gives each projection the layout kernels/cpu chooses for it (kernels/cpu/projection.py;
-        onednn and few_rows_copy as `choose_projection` takes them; on CPU only). Inference only:
-        afterwards state_dict lacks the replaced weights. lm_head gets a projection of its own;
-        where it holds the weights in a layout of its own (`replaces_weight`), the plain weight
-        is freed and a tied embedding reads its rows from the projection, otherwise the plain
-        table stays (a tied embedding lookup needs it: vocab x hidden more memory, for the
-        largest matmul of every step)."""
-        replaced = False
+    def process_weights_after_loading(self) -> None:
+        """Once, after loading: every layer derives what it keeps from its weights (projections
+        their method's layout, GDN its decay rate); a tied embedding table whose values lm_head
+        now holds elsewhere is freed; and no tensor left keeps the checkpoint file's memory map
+        resident."""
         for module in self.modules():
-            replaced |= prepare_projections(module, getattr(module, "PACKED_WEIGHTS", []), onednn, few_rows_copy)
-        if self.lm_head_projection is None:
-            weight = self.lm_head_weight()
-            projection = choose_projection(weight, onednn, few_rows_copy)
-            if not isinstance(projection, PlainProjection):
-                self.lm_head_projection = projection
-                replaced = True
-            if projection.replaces_weight:
-                owner = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-                owner.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                            requires_grad=False)
-        if replaced:
-            _unpin_shared_storages(self)
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+        if self.cfg.tie_word_embeddings and self.lm_head.method.holds_weight_elsewhere(self.lm_head):
+            table = self.embed_tokens.weight
+            self.embed_tokens.weight = nn.Parameter(torch.empty(table.shape, dtype=table.dtype, device="meta"),
+                                                    requires_grad=False)
+        _unpin_shared_storages(self)
 
 
 def _unpin_shared_storages(model: nn.Module) -> None:
-    """Gives each tensor left after preparing the projections (norms, conv taps, gate biases,
-    small projections, experts) memory of its own. Tensors read from a safetensors file hold on
-    to its memory map, so any one of them keeps the whole file resident once the projections
-    have been copied into layouts of their own (float32 0.8B: 3 GB more resident memory).
-    (Called only when some were: otherwise the file's pages are the weights.)"""
+    """Gives each tensor left after processing the weights (norms, conv taps, gate biases,
+    projections kept plain, experts) memory of its own. Tensors read from a safetensors file hold
+    on to its memory map, so any one of them keeps the whole file resident once other weights
+    have been copied into layouts or merged projections of their own (float32 0.8B: 3 GB more
+    resident memory)."""
     tensors = [(m, n, t) for m in model.modules()
                for n, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
                if not t.is_meta]
+    seen: dict[tuple, torch.Tensor] = {}            # tensors shared by two modules stay shared
     for module, name, t in tensors:
         if t.dim() > 2 and t.numel() * t.element_size() >= 1 << 20:
             continue                                # experts: left on the file's pages
-        copy = t.detach().clone()
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        copy = seen.get(key)
+        if copy is None:
+            copy = seen[key] = t.detach().clone()
         if isinstance(t, nn.Parameter):
             setattr(module, name, nn.Parameter(copy, requires_grad=t.requires_grad))
         else:

@@ -19,12 +19,30 @@ from hybrid_engine.kernels.activation import silu_mul_torch
 from hybrid_engine.kernels.cpu.forms import silu_mul
 from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
                                                   WideningProjection, choose_projection, fused_swiglu, plain_linear)
-from hybrid_engine.models.linear import linear, prepare_projections, swiglu
+from hybrid_engine.kernels.cpu.projection import CpuLinearMethod, Projection
+from hybrid_engine.kernels.backends import CpuBackend
+from hybrid_engine.kernels.linear import LinearMethod, plain_linear
+from hybrid_engine.models.linear import Linear, swiglu
 
 from op_calls import recorded_calls
 
 needs_native = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 needs_onednn_bf16 = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="no oneDNN bf16 packing at this level")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Projection) -> torch.Tensor:
+    """x W^T from a plain weight or a chosen projection."""
+    return weight(x) if isinstance(weight, Projection) else plain_linear(x, weight)
+
+
+def loaded_layer(weight: torch.Tensor, method: LinearMethod | None = None) -> Linear:
+    """A projection layer of `weight`'s shape loaded with it and processed by `method` (the cpu
+    backend's by default), as models/load.py does."""
+    with torch.device("meta"):
+        layer = Linear(weight.shape[1], weight.shape[0], method=method or CpuLinearMethod())
+    layer.weight_loader("w.weight", weight)
+    layer.process_weights_after_loading()
+    return layer
 
 
 @pytest.fixture
@@ -336,10 +354,14 @@ def test_fused_mlp_does_not_depend_on_the_thread_count_and_checks_its_inputs():
         native_ops().mlp_blocked.default(x, gu, block_weight(torch.randn(96, 96)))   # down's K != I
 
 
-def _fused_calls(x, gate_up, down):
+def _fused_calls(x, gate_up: Linear, down: Linear):
     with recorded_calls("mlp_blocked") as calls:
         out = swiglu(x, gate_up, down, silu_mul)
     return out, len(calls)
+
+
+def _three_calls(x, gate_up: Linear, down: Linear):
+    return down(silu_mul(gate_up(x)))
 
 
 @needs_native
@@ -351,10 +373,11 @@ def test_swiglu_fuses_where_both_projections_run_the_register_form(block_every_s
     below WIDEN_MIN_ROWS; a few-rows split's copy up to FEW_ROWS), else the three calls, with the
     same values either way."""
     w_gu, w_d, g = _mlp_weights(dtype, 64, 48, rows)
-    gu, d = choose_projection(w_gu), choose_projection(w_d)
+    gu_layer, d_layer = loaded_layer(w_gu), loaded_layer(w_d)
+    gu = gu_layer.layout
     x = torch.randn(rows, 64, generator=g).to(dtype)
-    out, calls = _fused_calls(x, gu, d)
-    three = linear(silu_mul(linear(x, gu)), d)
+    out, calls = _fused_calls(x, gu_layer, d_layer)
+    three = _three_calls(x, gu_layer, d_layer)
     if isinstance(gu, FewRowsSplit):
         fuses = rows <= projection_mod.FEW_ROWS
     elif isinstance(gu, WideningProjection):
@@ -373,7 +396,7 @@ def test_compiled_graphs_take_the_fused_mlp_and_the_native_gather(block_every_si
     """A traced decode-sized MLP is one mlp_blocked call (no linear_blocked), and a blocked
     table's rows one blocked_rows call: inductor then has no gather to inline into its loops."""
     w_gu, w_d, g = _mlp_weights(torch.float32, 64, 48, 12)
-    gu, d = choose_projection(w_gu), choose_projection(w_d)
+    gu, d = loaded_layer(w_gu), loaded_layer(w_d)
     table = BlockedProjection(torch.randn(96, 64, generator=g))
     graphs = []
 
@@ -383,7 +406,7 @@ def test_compiled_graphs_take_the_fused_mlp_and_the_native_gather(block_every_si
     torch._dynamo.reset()
     f = torch.compile(lambda ids: swiglu(table.rows(ids), gu, d, silu_mul), backend=backend, dynamic=True)
     ids = torch.tensor([5, 90, 17])
-    assert torch.equal(f(ids), linear(silu_mul(linear(table.rows(ids), gu)), d))
+    assert torch.equal(f(ids), _three_calls(table.rows(ids), gu, d))
     ops = torch.ops.hybrid_engine_cpu
     assert ops.mlp_blocked.default in graphs[0] and ops.blocked_rows.default in graphs[0]
     assert ops.linear_blocked.default not in graphs[0]
@@ -393,33 +416,51 @@ def test_compiled_graphs_take_the_fused_mlp_and_the_native_gather(block_every_si
 def test_swiglu_keeps_three_calls_where_a_weight_is_cropped_or_plain(block_every_size):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 40, generator=g)
-    gate_up = choose_projection(torch.randn(96, 40, generator=g))
-    cropped_down = choose_projection(torch.randn(40, 48, generator=g))      # 40 rows: padded to 48
-    assert isinstance(cropped_down, BlockedProjection) and cropped_down.blocked.shape[0] == 3
+    gate_up = loaded_layer(torch.randn(96, 40, generator=g))
+    cropped_down = loaded_layer(torch.randn(40, 48, generator=g))           # 40 rows: padded to 48
+    assert isinstance(cropped_down.layout, BlockedProjection) and cropped_down.layout.blocked.shape[0] == 3
     out, calls = _fused_calls(x, gate_up, cropped_down)
     assert calls == 0 and out.shape == (1, 40)
-    assert torch.equal(out, linear(silu_mul(linear(x, gate_up)), cropped_down))
-    plain_down = torch.randn(48, 48, generator=g)
+    assert torch.equal(out, _three_calls(x, gate_up, cropped_down))
+    plain_down = loaded_layer(torch.randn(48, 48, generator=g), LinearMethod())
     out, calls = _fused_calls(x, gate_up, plain_down)
-    assert calls == 0 and torch.equal(out, linear(silu_mul(linear(x, gate_up)), plain_down))
-    assert fused_swiglu(x.double(), gate_up, choose_projection(torch.randn(48, 48, generator=g))) is None
+    assert calls == 0 and torch.equal(out, _three_calls(x, gate_up, plain_down))
+    assert fused_swiglu(x.double(), gate_up.layout, choose_projection(torch.randn(48, 48, generator=g))) is None
 
 
 # ---- preparing a model's projections (models/linear.py, models/qwen3_5.py) --------------------
 
 @needs_native
-def test_prepare_projections_blocks_float32_and_leaves_odd_shapes(block_every_size):
-    m = nn.Module()
-    m.a = nn.Linear(24, 32, bias=False)
-    m.b = nn.Linear(24, 32, bias=False, dtype=torch.float64)   # not blockable, stays as is
+def test_the_cpu_method_lays_out_float32_and_leaves_odd_shapes_plain(block_every_size):
+    """After loading, a blockable weight runs from its blocked layout and its plain copy is
+    freed; a weight the kernel cannot take keeps its plain weight. Both give F.linear."""
+    a, b = torch.randn(32, 24), torch.randn(32, 24, dtype=torch.float64)    # float64: not blockable
     x = torch.randn(4, 24)
-    want_a, want_b = m.a(x), m.b(x.double())
-    assert prepare_projections(m, ["a.weight", "b.weight"])
-    assert isinstance(m.a.weight, BlockedProjection) and isinstance(m.b.weight, nn.Parameter)
-    assert "a.weight" not in m.state_dict() and "b.weight" in m.state_dict()
-    torch.testing.assert_close(linear(x, m.a.weight), want_a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(x.double(), m.b.weight), want_b, rtol=1e-5, atol=1e-5)
-    assert not prepare_projections(m, ["a.weight", "b.weight"])    # chosen once
+    la, lb = loaded_layer(a), loaded_layer(b)
+    assert isinstance(la.layout, BlockedProjection) and la.weight.is_meta
+    assert lb.layout is None and torch.equal(lb.weight, b)
+    torch.testing.assert_close(la(x), F.linear(x, a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lb(x.double()), F.linear(x.double(), b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(la.rows(torch.tensor([3, 0])), a[[3, 0]])
+
+
+def test_merged_shards_load_into_their_rows():
+    """A merged layer takes each checkpoint tensor into its own rows, in any order, and its
+    output splits back into the products of the separate weights."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(6, 8, generator=g), torch.randn(2, 8, generator=g)
+    with torch.device("meta"):
+        layer = Linear(8, shards={"q_proj": 6, "k_proj": 2})
+    assert layer.checkpoint_shapes("attn.qk_proj") == {"attn.q_proj.weight": (6, 8), "attn.k_proj.weight": (2, 8)}
+    layer.weight_loader("attn.k_proj.weight", k)
+    layer.weight_loader("attn.q_proj.weight", q)
+    layer.process_weights_after_loading()
+    x = torch.randn(3, 8, generator=g)
+    got_q, got_k = layer.split(layer(x))
+    torch.testing.assert_close(got_q, F.linear(x, q))
+    torch.testing.assert_close(got_k, F.linear(x, k))
+    with pytest.raises(ValueError, match="either out_features or shards"):
+        Linear(8, 4, shards={"q_proj": 4})
 
 
 def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
@@ -443,23 +484,23 @@ def test_small_float32_weights_are_blocked_too():
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prepared_lm_head_embeds_and_projects_the_same(block_every_size, tied, dtype):
-    """Where lm_head's projection holds the weights in its own layout the plain weight is freed
-    (no second copy) and a tied embedding reads its rows from the projection."""
-    from checkpoints import make_config
+def test_prepared_lm_head_embeds_and_projects_the_same(block_every_size, tmp_path, tied, dtype):
+    """Where lm_head's method holds the weights in its own layout the plain weight is freed (no
+    second copy) and a tied embedding reads its rows from lm_head: the same embeddings and
+    logits as the plain method's model."""
+    from checkpoints import make_hf_model, save_checkpoint
 
-    from hybrid_engine.models import HybridForCausalLM, parse_config
-    cfg = parse_config(make_config("qwen3_5", tie_word_embeddings=tied).to_dict())
-    torch.manual_seed(0)
-    model = HybridForCausalLM(cfg).eval().to(dtype)
+    from hybrid_engine.models import load_model
+    folder = save_checkpoint(make_hf_model("qwen3_5", tie_word_embeddings=tied), tmp_path)
+    plain, cfg = load_model(folder, str(dtype).removeprefix("torch."), method=LinearMethod())
+    model, _ = load_model(folder, str(dtype).removeprefix("torch."), method=CpuLinearMethod())
     ids = torch.tensor([0, 5, 17, cfg.vocab_size - 1, 5])
     hidden = torch.randn(3, cfg.hidden_size).to(dtype)
-    want_embeds, want_logits = model.embed(ids), model.compute_logits(hidden).float()
-    model.pack_weights()
-    proj = model.lm_head_projection
+    want_embeds, want_logits = plain.embed(ids), plain.compute_logits(hidden).float()
     if native_available():
-        assert proj is not None
-        assert model.lm_head_weight().is_meta == proj.replaces_weight
+        assert model.lm_head.layout is not None
+        assert model.lm_head.weight.is_meta
+        assert model.embed_tokens.weight.is_meta == (tied and model.lm_head.layout.replaces_weight)
     torch.testing.assert_close(model.embed(ids), want_embeds, rtol=0, atol=0)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(model.compute_logits(hidden).float(), want_logits, rtol=tol, atol=tol)
@@ -469,12 +510,10 @@ def test_prepared_lm_head_embeds_and_projects_the_same(block_every_size, tied, d
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 4, 5, 16])
 def test_packed_bf16_weight_takes_its_blocked_copy_for_few_rows(block_every_size, monkeypatch, rows):
-    m = nn.Module()
-    m.a = nn.Linear(64, 48, bias=False).bfloat16()
+    w = torch.randn(64, 48).t().contiguous().bfloat16() * 0.1
     x = torch.randn(rows, 64).bfloat16()
-    exact = F.linear(x.float(), m.a.weight.float())
-    prepare_projections(m, ["a.weight"])
-    proj = m.a.weight
+    exact = F.linear(x.float(), w.float())
+    proj = loaded_layer(w).layout
     assert isinstance(proj, FewRowsSplit) and isinstance(proj.many, OneDNNProjection)
     assert proj.few.blocked.shape == (3, 32, 16, 2)
     calls = []
@@ -491,7 +530,7 @@ def test_engine_keeps_the_bf16_few_rows_copy_only_when_asked():
     outs = {}
     for keep in (True, False):
         llm = LLM(dtype="bfloat16", max_num_seqs=2, bf16_few_rows_copy=keep)
-        assert isinstance(llm.engine.model.lm_head_projection, FewRowsSplit) == keep
+        assert isinstance(llm.engine.model.lm_head.layout, FewRowsSplit) == keep
         outs[keep] = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4))[0]
     assert all(len(o.token_ids) == 4 for o in outs.values())
     with pytest.raises(ValueError, match="bf16_few_rows_copy must be a bool"):
@@ -544,8 +583,6 @@ def test_engine_with_every_projection_prepared_matches_its_reference(tmp_path, b
     distance from float32."""
     from checkpoints import make_hf_model, save_checkpoint
 
-    import hybrid_engine.models.linear as model_linear
-    import hybrid_engine.models.qwen3_5 as model_qwen
     hf = make_hf_model("qwen3_5", full_attention_interval=2)
     save_checkpoint(hf, tmp_path)
     g = torch.Generator().manual_seed(5)
@@ -553,12 +590,11 @@ def test_engine_with_every_projection_prepared_matches_its_reference(tmp_path, b
     new = 24
     llm, outs = _generate(tmp_path, dtype, prompts, new)
     want = expected_layout(getattr(torch, dtype), True, True)
-    layouts = {type(m.gate_up_weight) for m in llm.engine.model.modules() if hasattr(m, "gate_up_weight")}
-    assert layouts == ({torch.Tensor} if want is PlainProjection else {want})   # a merged buffer
+    layouts = {type(m.layout) for m in llm.engine.model.modules() if isinstance(m, Linear)}
+    assert layouts == ({type(None)} if want is PlainProjection else {want})
     if dtype == "bfloat16":
-        plain = lambda weight, *args: PlainProjection(weight)          # noqa: E731
-        monkeypatch.setattr(model_linear, "choose_projection", plain)
-        monkeypatch.setattr(model_qwen, "choose_projection", plain)
+        # the same engine with every projection's plain weight (F.linear)
+        monkeypatch.setattr(CpuBackend, "linear_method", lambda self, **kw: LinearMethod())
         _, refs = _generate(tmp_path, dtype, prompts, new)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])

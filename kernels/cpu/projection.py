@@ -58,27 +58,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torch import nn
+
+from ..linear import LinearMethod, plain_linear
 from .blocked import BLOCK, block_weight, blocked_linear, blocked_rows, can_block
 from .isa import at_least, onednn_packs
 
-TRANSPOSED_ROWS = range(8, 33)      # rows of x for which float32 W x^T beats x W^T on CPU
 BLOCKED_MIN_BYTES = 1 << 20         # smaller bf16 weights stay with oneDNN / torch
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
 
-def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T from a plain [out, in] weight."""
-    if (not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] in TRANSPOSED_ROWS
-            and weight.dtype == torch.float32 and x.device.type == "cpu"):
-        return torch.mm(weight, x.t()).t().contiguous()
-    return F.linear(x, weight)
-
-
 class Projection:
     """x W^T for one weight in the layout chosen for it. `replaces_weight`: the object holds
-    the weight's values in a layout of its own and needs no plain copy beside it (the caller may
-    free the plain weight); `rows(ids)` then still reads W[ids] (a tied embedding table)."""
+    the weight's values in a layout of its own and needs no plain copy beside it (the method
+    frees the plain weight); `rows(ids)` then still reads W[ids] (a tied embedding table)."""
 
     replaces_weight = False
 
@@ -209,3 +203,50 @@ def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: 
     if few_rows_copy and blockable and weight.dtype == torch.bfloat16:
         return FewRowsSplit(many, BlockedProjection(weight))
     return many
+
+
+class CpuLinearMethod(LinearMethod):
+    """The cpu backend's linear method: after loading, each weight takes the layout
+    `choose_projection` picks for it (`layer.layout`; None where that is the plain weight
+    itself), which every product then runs from, and the plain weight is freed. onednn,
+    few_rows_copy: as `choose_projection` takes them (compiled steps: onednn=False, inductor
+    packs its own)."""
+
+    name = "cpu"
+
+    def __init__(self, onednn: bool = True, few_rows_copy: bool = True):
+        self.onednn, self.few_rows_copy = onednn, few_rows_copy
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       dtype: torch.dtype | None = None) -> None:
+        super().create_weights(layer, in_features, out_features, dtype)
+        layer.layout = None                 # the plain weight until processed
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        layout = choose_projection(weight, self.onednn, self.few_rows_copy)
+        layer.layout = None if isinstance(layout, PlainProjection) else layout
+        if layer.layout is not None:
+            layer.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                        requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.layout is None:
+            return plain_linear(x, layer.weight)
+        return layer.layout(x)
+
+    def apply_swiglu(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        if gate_up.layout is not None and isinstance(down.method, CpuLinearMethod) and down.layout is not None:
+            fused = fused_swiglu(x, gate_up.layout, down.layout)
+            if fused is not None:
+                return fused
+        return super().apply_swiglu(gate_up, down, x, silu_mul)
+
+    def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.weight[ids] if layer.layout is None else layer.layout.rows(ids)
+
+    def holds_weight_elsewhere(self, layer: nn.Module) -> bool:
+        return layer.layout is not None and layer.layout.replaces_weight
+
+    def __repr__(self) -> str:
+        return f"CpuLinearMethod(onednn={self.onednn}, few_rows_copy={self.few_rows_copy})"
