@@ -1,6 +1,6 @@
 """All cache memory: paged KV blocks, GDN state slots, and the manager that owns both."""
 
-from .block_allocator import BlockAllocator, kv_slots
+from .kv_slots import kv_slots
 from .checkpoints import Checkpoint, CheckpointPool
 from .errors import CacheCapacityError
 from .hybrid_cache import HybridCacheManager, PrefixHit, RequestCache
@@ -9,7 +9,6 @@ from .slot_allocator import SlotAllocator
 from .spec import CacheSpec
 
 __all__ = [
-    "BlockAllocator",
     "CacheCapacityError",
     "CacheSpec",
     "Checkpoint",

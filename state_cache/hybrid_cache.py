@@ -304,33 +304,15 @@ class HybridCacheManager:
 
     # -- KV length -----------------------------------------------------------------------
 
-    def blocks_needed(self, request_id: Hashable, new_num_tokens: int) -> int:
-        """Blocks to add so the request can hold new_num_tokens tokens (0 if it already can)."""
-        cache = self.get(request_id)
-        return max(self.spec.blocks_for(new_num_tokens) - len(cache.block_table), 0)
-
-    def can_grow(self, request_id: Hashable, new_num_tokens: int) -> bool:
-        needed = self.blocks_needed(request_id, new_num_tokens)
-        return needed == 0 or needed <= self.num_free_blocks
-
-    def grow(self, request_id: Hashable, new_num_tokens: int) -> None:
-        """Room for new_num_tokens tokens (never fewer than it holds)."""
-        if not self.try_grow(request_id, new_num_tokens):
-            raise CacheCapacityError(
-                f"request {request_id!r} needs {self.blocks_needed(request_id, new_num_tokens)} more KV "
-                f"blocks to hold {new_num_tokens} tokens but only {self.num_free_blocks} of "
-                f"{self.num_blocks} are free"
-            )
-
     def try_grow(self, request_id: Hashable, new_num_tokens: int) -> bool:
-        """`grow` where the blocks it needs are free; False, changing nothing, where not (the
-        scheduler's check and growth in one call: a decode grows every step, and needs a new
-        block once per block_size steps)."""
+        """Room for new_num_tokens tokens (never fewer than it holds) where the blocks that needs
+        are free; False, changing nothing, where not (the scheduler's check and growth in one
+        call: a decode grows every step, and needs a new block once per block_size steps)."""
         cache = self.get(request_id)
         if new_num_tokens < cache.num_tokens:
             raise ValueError(
                 f"request {request_id!r} holds {cache.num_tokens} tokens; grow to "
-                f"{new_num_tokens} would shrink it (use truncate)"
+                f"{new_num_tokens} would shrink it"
             )
         needed = self.spec.blocks_for(new_num_tokens) - len(cache.block_table)
         if needed > 0:
@@ -339,22 +321,6 @@ class HybridCacheManager:
             cache.block_table.extend(self._blocks.allocate(needed))
         cache.num_tokens = new_num_tokens
         return True
-
-    def truncate(self, request_id: Hashable, num_tokens: int) -> None:
-        """Shrink what the request holds to num_tokens tokens; frees the tail blocks."""
-        cache = self.get(request_id)
-        if not 0 <= num_tokens <= cache.num_tokens:
-            raise ValueError(
-                f"request {request_id!r} holds {cache.num_tokens} tokens; cannot truncate to {num_tokens}"
-            )
-        if num_tokens < cache.num_cached_blocks * self.spec.block_size:
-            raise ValueError(f"request {request_id!r} shares its first {cache.num_cached_blocks} blocks with the "
-                             f"prefix cache; cannot truncate to {num_tokens} tokens")
-        keep = self.spec.blocks_for(num_tokens)
-        self._blocks.free(reversed(cache.block_table[keep:]))
-        del cache.block_table[keep:]
-        cache.num_tokens = num_tokens
-        cache.num_committed_tokens = min(cache.num_committed_tokens, num_tokens)
 
     # -- step outcomes -------------------------------------------------------------------
 

@@ -223,7 +223,7 @@ def test_fork_copies_the_committed_kv_and_state_into_memory_of_its_own():
     for pool in (*cache.conv_states, *cache.recurrent_states):
         assert torch.equal(pool[dst.slot], pool[src.slot])
     cache.free("a")               # the copy stands alone
-    cache.grow("b", 12)
+    assert cache.try_grow("b", 12)
     cache.free("b")
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
 

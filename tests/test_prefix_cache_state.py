@@ -75,7 +75,7 @@ class Sim:
         if not self.m.can_fork(src, 1, len(tokens)):      # the scheduler's check: room for its prompt too
             return
         rc = self.m.fork(src, dst, 1)
-        self.m.grow(dst, len(tokens))
+        assert self.m.try_grow(dst, len(tokens))
         self.tokens[dst] = list(tokens)
         committed = rc.num_committed_tokens
         for pos in range(committed):
@@ -108,10 +108,9 @@ class Sim:
         rc = self.m.get(rid)
         if rc.num_committed_tokens < len(self.tokens[rid]):
             return
-        if not self.m.can_grow(rid, len(self.tokens[rid]) + 1):
+        if not self.m.try_grow(rid, len(self.tokens[rid]) + 1):
             return self.free(rid)                          # preempted by recompute
         self.tokens[rid].append(tok)
-        self.m.grow(rid, len(self.tokens[rid]))
 
     def free(self, rid) -> None:
         self.m.free(rid)
@@ -217,8 +216,6 @@ def test_stale_hits_and_bad_checkpoints_are_refused():
         sim.m.save_checkpoint("a", 3, b"k", sim.m.get("a").slot)
     with pytest.raises(ValueError, match="cannot start"):
         sim.m.allocate("b", 4, 0, hit)                  # a hit must leave a token to compute
-    with pytest.raises(ValueError, match="shares its first"):
-        sim.m.truncate("a", 2)
     sim.free("a")
     sim.admit("c", [1] * 16)                             # evicts the cached block
     with pytest.raises(ValueError, match="stale"):

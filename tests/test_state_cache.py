@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hybrid_engine.state_cache.id_pool import IdPool
 from hybrid_engine.state_cache import (
-    BlockAllocator,
     CacheCapacityError,
     CacheSpec,
     CheckpointPool,
@@ -63,7 +63,8 @@ def test_spec_rejects_nonsense_sizes():
 # -- allocators ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("allocator_cls, kind", [(BlockAllocator, "KV block"), (SlotAllocator, "state slot")])
+@pytest.mark.parametrize("allocator_cls, kind", [(lambda n: IdPool(n, "KV block"), "KV block"),
+                                                 (SlotAllocator, "state slot")])
 def test_allocator_contract(allocator_cls, kind):
     pool = allocator_cls(4)
     a = pool.allocate(3)
@@ -147,27 +148,19 @@ def test_admission_needs_both_kinds():
     assert not m.can_admit(0)  # no slot left even for an empty prompt
 
 
-def test_grow_and_truncate():
+def test_try_grow_takes_blocks_only_where_they_are_free():
     m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=2)
     table = m.allocate("a", 3).block_table
-    assert m.blocks_needed("a", 4) == 0 and m.blocks_needed("a", 5) == 1 and m.blocks_needed("a", 1) == 0
-    m.grow("a", 4)
+    assert m.try_grow("a", 4)
     assert len(table) == 1 and m.get("a").num_tokens == 4
     first = list(table)
-    m.grow("a", 13)
+    assert m.try_grow("a", 13)
     assert len(table) == 4 and table[:1] == first and m.num_free_blocks == 0
-    assert not m.can_grow("a", 17) and m.can_grow("a", 16)
-    with pytest.raises(CacheCapacityError, match="needs 1 more KV blocks to hold 17 tokens but only 0 of 4"):
-        m.grow("a", 17)
-    with pytest.raises(ValueError, match="use truncate"):
-        m.grow("a", 12)
-    kept = table[:2]
-    m.truncate("a", 5)  # rejected drafts: 13 -> 5 tokens keeps ceil(5/4) = 2 blocks
-    assert table == kept and m.get("a").num_tokens == 5 and m.num_free_blocks == 2
-    with pytest.raises(ValueError, match="cannot truncate to 6"):
-        m.truncate("a", 6)
-    m.truncate("a", 0)
-    assert table == [] and m.num_free_blocks == 4 and m.num_free_slots == 1  # the slot stays held
+    assert not m.try_grow("a", 17)                 # 1 more block, none free: nothing changes
+    assert len(table) == 4 and m.get("a").num_tokens == 13
+    assert m.try_grow("a", 16)
+    with pytest.raises(ValueError, match="would shrink it"):
+        m.try_grow("a", 12)
 
 
 def test_commit_verify_moves_length_and_slot_together():
@@ -271,7 +264,7 @@ REQUEST_IDS = ["a", "b", "c", ("d", 1), 5]
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random allocate/grow/truncate/promote/free over a few requests; a small pool so that
+    """Random allocate/grow/promote/free over a few requests; a small pool so that
     refusals are common. A plain dict model tracks what each request should hold."""
 
     def __init__(self):
@@ -298,24 +291,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), extra=st.integers(0, 12))
-    def grow(self, data, extra):
+    def try_grow(self, data, extra):
+        """The scheduler's verb: grow where the blocks it needs are free, else False and no change."""
         rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
         new = self.tokens[rid] + extra
         prefix = list(self.m.get(rid).block_table)
-        if self.m.can_grow(rid, new):
-            self.m.grow(rid, new)
-            assert self.m.get(rid).block_table[: len(prefix)] == prefix
-            self.tokens[rid] = new
-        else:
-            self.refused(CacheCapacityError, lambda: self.m.grow(rid, new))
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), extra=st.integers(0, 12))
-    def try_grow(self, data, extra):
-        """The scheduler's verb: grow where can_grow says it fits, else False and no change."""
-        rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
-        new = self.tokens[rid] + extra
-        prefix, fits = list(self.m.get(rid).block_table), self.m.can_grow(rid, new)
+        fits = self.m.spec.blocks_for(new) - len(prefix) <= self.m.num_free_blocks
         before = snapshot(self.m, REQUEST_IDS)
         assert self.m.try_grow(rid, new) == fits
         if fits:
@@ -324,16 +305,6 @@ class CacheMachine(RuleBasedStateMachine):
             self.tokens[rid] = new
         else:
             assert snapshot(self.m, REQUEST_IDS) == before
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def truncate(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
-        new = data.draw(st.integers(0, self.tokens[rid]))
-        kept = self.m.get(rid).block_table[: self.m.spec.blocks_for(new)]
-        self.m.truncate(rid, new)
-        assert self.m.get(rid).block_table == kept
-        self.tokens[rid] = new
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -1,15 +1,6 @@
-"""Allocator of paged-KV block ids, and the flat slots a block table maps positions to."""
+"""The flat KV slots a block table maps positions to (the one home of that formula)."""
 
 from __future__ import annotations
-
-from .id_pool import IdPool
-
-
-class BlockAllocator(IdPool):
-    """`allocate(n)` -> n block ids, `free(blocks)`, `num_free`. A block has one owner at most."""
-
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks, "KV block")
 
 
 def kv_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
