@@ -24,6 +24,7 @@ variant where an op forces one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
 
@@ -63,37 +64,22 @@ class CompiledSteps:
         # Set by the backend, which runs only when a graph is compiled.
         weights = model.norm.weight                 # the model's device and dtype (never freed)
         freeze = weights.device.type == "cpu" and onednn_packs(weights.dtype)
-        # No 0/1 specialisation of dynamic sizes (size-oblivious tracing), so that batch 1
-        # shares the graphs of larger batches. Dynamo reads this while it traces, before any
-        # backend runs, so it is set here, once, for the process (it changes no result of an
-        # eager op and no graph other compiles would make, only how many they need).
-        fx_config.backed_size_oblivious = True
-        # The weights and the kernels' module constants become attributes of the graphs ("free
-        # tensors", installed once at tracing) instead of inputs that dynamo's prologue fetches
-        # on every call by walking the module tree: a default-model decode graph takes 35
-        # inputs instead of 114, and its prologue runs about a quarter of the bytecode. Read,
-        # like the flag above, while dynamo traces, so set here for the process; it changes no
-        # result (the graph reads the same tensors), only how it reaches them.
-        dynamo_config.install_free_tensors = True
         options = {"guard_filter_fn": _engine_guards}
         backend = _inductor(freeze)
         # A steady-state decode step passes the last step's objects again: its graph call is
         # replayed without dynamo's guards and prologue (graph_replay.py), its ints handed over
         # as the tensors _inductor's C++ wrapper would make of them at every call.
         self._decode_replay = GraphReplay(ints_as_tensors=True)
-        self._decode = torch.compile(_own_code(self._decode_forward), backend=self._decode_replay.backend(backend),
-                                     options=options)
+        self._decode = _compile(self._decode_forward, self._decode_replay.backend(backend), options)
         has_mtp = model.mtp is not None
         # Drafting after a verify of the same length is replayed too: its inputs are staged in
         # buffers of this object's own (the tokens, hidden rows and row indices otherwise come
         # in new tensors at every step), its batch and tables are the builder's views.
         self._mtp_replay = GraphReplay(ints_as_tensors=True, keep=MTP_REPLAYS)
-        self._mtp = (torch.compile(_own_code(self._mtp_drafting), backend=self._mtp_replay.backend(backend),
-                                   options=options) if has_mtp else None)
+        self._mtp = _compile(self._mtp_drafting, self._mtp_replay.backend(backend), options) if has_mtp else None
         self._mtp_staging = _Staging()
         self._last_mtp: list[tuple[tuple, tuple]] = []     # run_mtp's latest inputs and their traceable form
-        self._mtp_continued = (torch.compile(_own_code(self._mtp_draft_passes), backend=backend, options=options)
-                               if has_mtp else None)
+        self._mtp_continued = _compile(self._mtp_draft_passes, backend, options) if has_mtp else None
         # run(): the last batch it was given and its traceable form
         self._last_batch: ForwardBatch | None = None
         self._last_ids: torch.Tensor | None = None
@@ -180,6 +166,24 @@ def _engine_guards(entries) -> list[bool]:
     modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
     globals_ = torch.compiler.skip_guard_on_globals_unsafe(entries)
     return [m and g for m, g in zip(modules, globals_)]
+
+
+def _compile(method, backend, options):
+    """torch.compile of the bound method (its own code object: _own_code), called with the
+    dynamo settings its tracing needs patched in around each call, not set for the process:
+
+    - backed_size_oblivious: no 0/1 specialisation of dynamic sizes (size-oblivious tracing),
+      so that batch 1 shares the graphs of larger batches;
+    - install_free_tensors: the weights and the kernels' module constants become attributes of
+      the graphs ("free tensors", installed once at tracing) instead of inputs that dynamo's
+      prologue fetches on every call by walking the module tree (a default-model decode graph
+      takes about a third of the inputs, and its prologue runs a quarter of the bytecode).
+
+    Both are read while dynamo traces or checks a call; a replayed call (graph_replay.py) runs
+    neither, and pays nothing for them."""
+    compiled = torch.compile(_own_code(method), backend=backend, options=options)
+    patched = fx_config.patch(backed_size_oblivious=True)(dynamo_config.patch(install_free_tensors=True)(compiled))
+    return functools.wraps(method)(patched)
 
 
 def _own_code(method):

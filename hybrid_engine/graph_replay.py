@@ -20,10 +20,12 @@ as those tensors: replayed ints never change, so that is done once.
 What the caller guarantees (StepInputBuilder's steady state does): an argument that is passed
 again as the same object reaches the same tensors, unchanged but for their values (no field of
 the ForwardBatch reassigned, no pool of the cache manager replaced (state_cache allocates them
-once), no tensor resized or restrided in place; values may change: the graph reads them). A replay is offered only where the call ran exactly one graph, traced with
-no Python side effect for dynamo to replay after it, and returned the graph's outputs as they
-are: the function's bytecode around the graph then does nothing else (no graph break, no
-output it builds itself).
+once), no tensor resized or restrided in place; values may change: the graph reads them), and
+the compiled function changes no Python state (dynamo would replay such a change after the
+graph; a replay would not). A replay is offered only where the call ran exactly one graph and
+returned the graph's outputs as they are: the function's bytecode around the graph then does
+nothing else (no graph break, no output it builds itself). Nothing here reads dynamo's
+internals: the graph and its inputs are what the backend was handed.
 """
 
 from __future__ import annotations
@@ -53,13 +55,12 @@ class GraphReplay:
 
     def backend(self, backend: Callable) -> Callable:
         def recording_backend(graph, example_inputs):
-            pure = _traced_without_side_effects()
             compiled = backend(graph, example_inputs)
 
             def recorded(*inputs):
                 out = compiled(*inputs)
                 if self._calls is not None:       # inside call(): other callers' calls are not kept
-                    self._calls.append((compiled if pure else None, inputs, out))
+                    self._calls.append((compiled, inputs, out))
                 return out
             return recorded
         return recording_backend
@@ -76,7 +77,7 @@ class GraphReplay:
             result = compiled_fn(*args)
         finally:
             self._calls = None
-        if len(calls) == 1 and calls[0][0] is not None and _is_graph_output(result, calls[0][2]):
+        if len(calls) == 1 and _is_graph_output(result, calls[0][2]):
             inputs = _ints_as_tensors(calls[0][1]) if self._ints_as_tensors else calls[0][1]
             self._records = [(args, calls[0][0], inputs), *self._records][:self._keep]
         return result
@@ -86,25 +87,6 @@ def _ints_as_tensors(inputs: tuple) -> tuple:
     """The graph inputs with each int as the 0-d int64 tensor the C++ wrapper would make of it
     (bools stay: they are ints to Python, not to the wrapper)."""
     return tuple(torch.tensor(x) if type(x) is int else x for x in inputs)
-
-
-def _traced_without_side_effects() -> bool:
-    """Whether the frame dynamo is compiling (this runs inside its backend call) leaves no Python
-    state changed: dynamo's own record of the mutations it replays after the graph. Objects the
-    frame creates itself (dynamo counts them as modified) matter only when it sets attributes
-    on them, which could reach the caller through the outputs. False where that record cannot
-    be read: such graphs are never replayed."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
-        effects = InstructionTranslator.current_tx().output.side_effects
-        for var in effects.id_to_variable.values():
-            if effects.is_modified(var) and (not isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew))
-                                             or var in effects.store_attr_mutations):
-                return False
-        return not effects.tensor_hooks
-    except Exception:       # a dynamo without these internals: no replay, never a wrong one
-        return False
 
 
 def _is_graph_output(result, graph_out) -> bool:
