@@ -9,7 +9,7 @@ weights behind that shape:
     create_weights(layer, ...)           the tensors the loader fills (here: one `weight`)
     process_weights_after_loading(layer) the layout the products run from (cpu: blocked,
                                          oneDNN-packed, a few-rows copy; kernels/cpu/projection.py)
-    apply(layer, x)                      x W^T
+    apply(layer, x)                      x W^T (`product(layer)`: the same as one callable)
     apply_swiglu(gate_up, down, x, act)  down(act(gate_up(x))), one fused call where a method has it
     rows(layer, ids)                     W[ids] (a tied embedding reading lm_head's table)
 
@@ -20,6 +20,8 @@ attributes they set themselves; they import nothing from the models.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,11 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return plain_linear(x, layer.weight)
+
+    def product(self, layer: nn.Module):
+        """After processing: the callable x -> apply(layer, x), as directly as the method can
+        give it (the layer keeps it: one call less per product in eager steps)."""
+        return functools.partial(self.apply, layer)
 
     def apply_swiglu(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, silu_mul) -> torch.Tensor:
         """silu(gate) * up of x's merged [gate | up] projection, projected by `down`."""

@@ -31,7 +31,8 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj
+        q_gate, k, v = qkv(x).split(qkv.output_sizes, dim=-1)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         # q/k norms are zero-centred RMSNorms over head_dim, applied before RoPE.
         ops = batch.kernels

@@ -53,7 +53,8 @@ class GatedDeltaNet(nn.Module):
         gdn_captures go."""
         t = x.shape[0]
         # mixed: [T, conv_dim], pre-conv q|k|v; z: output gate; b, a: per value head
-        mixed, z, b, a = self.in_proj.split(self.in_proj(x))
+        in_proj = self.in_proj
+        mixed, z, b, a = in_proj(x).split(in_proj.output_sizes, dim=-1)
         conv_w = self.conv1d.weight.view(self.conv_dim, self.kernel)
         p = batch.num_prefill_tokens
         if p == t:

@@ -13,6 +13,8 @@ input is the model's knowledge, so that stays here; how their weights are laid o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ class Linear(nn.Module):
 
     shards: None for a projection stored under this layer's own name (`<name>.weight`), or
     {checkpoint name: output rows} for projections merged into one product, their rows in
-    that order (the output splits back with `split`)."""
+    that order (the output splits back by `output_sizes`)."""
 
     def __init__(self, in_features: int, out_features: int | None = None,
                  shards: dict[str, int] | None = None, method: LinearMethod | None = None):
@@ -37,13 +39,16 @@ class Linear(nn.Module):
         self.out_features = sum(self.output_sizes)
         self.method = method or LinearMethod()
         self.method.create_weights(self, in_features, self.out_features)
+        self._product = functools.partial(self.method.apply, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        return self._product(x)
 
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A merged layer's output -> one view per shard."""
-        return y.split(self.output_sizes, dim=-1)
+    # Called directly, past nn.Module.__call__'s hook machinery (projection layers take no
+    # hooks): a decode step makes about fifty projection calls, and an eager step of a small
+    # model is bound by such per-call overheads. For the same reason the product is the
+    # method's own callable for this layer (`LinearMethod.product`), kept on the layer.
+    __call__ = forward
 
     def checkpoint_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """The checkpoint tensors this layer loads (names relative to the model), with shapes.
@@ -70,6 +75,7 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
+        self._product = self.method.product(self)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids], from wherever the method holds W."""
@@ -79,8 +85,3 @@ class Linear(nn.Module):
         shards = f", shards={self.shards}" if self.shards else ""
         return f"in={self.in_features}, out={self.out_features}{shards}, method={self.method!r}"
 
-
-def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear, silu_mul) -> torch.Tensor:
-    """silu(gate) * up of x's merged [gate | up] projection, projected by `down`: one fused call
-    where the method has one for both layers' layouts, else three (silu_mul: the backend's op)."""
-    return gate_up.method.apply_swiglu(gate_up, down, x, silu_mul)

@@ -9,7 +9,7 @@ from torch import nn
 from .config import ModelConfig
 from hybrid_engine.kernels.linear import LinearMethod
 
-from .linear import Linear, swiglu
+from .linear import Linear
 
 
 class SwiGLU(nn.Module):
@@ -19,9 +19,10 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, method=method)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        # one fused call where the method has one for both layouts, else the products and the
-        # backend's silu_mul
-        return swiglu(x, self.gate_up_proj, self.down_proj, ops.silu_mul)
+        # down(silu(gate) * up): one fused call where the method has one for both layouts,
+        # else the products and the backend's silu_mul
+        gate_up = self.gate_up_proj
+        return gate_up.method.apply_swiglu(gate_up, self.down_proj, x, ops.silu_mul)
 
 
 class Experts(nn.Module):

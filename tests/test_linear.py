@@ -22,7 +22,7 @@ from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSpli
 from hybrid_engine.kernels.cpu.projection import CpuLinearMethod, Projection
 from hybrid_engine.kernels.backends import CpuBackend
 from hybrid_engine.kernels.linear import LinearMethod, plain_linear
-from hybrid_engine.models.linear import Linear, swiglu
+from hybrid_engine.models.linear import Linear
 
 from op_calls import recorded_calls
 
@@ -356,7 +356,7 @@ def test_fused_mlp_does_not_depend_on_the_thread_count_and_checks_its_inputs():
 
 def _fused_calls(x, gate_up: Linear, down: Linear):
     with recorded_calls("mlp_blocked") as calls:
-        out = swiglu(x, gate_up, down, silu_mul)
+        out = gate_up.method.apply_swiglu(gate_up, down, x, silu_mul)
     return out, len(calls)
 
 
@@ -368,7 +368,7 @@ def _three_calls(x, gate_up: Linear, down: Linear):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40])
 def test_swiglu_fuses_where_both_projections_run_the_register_form(block_every_size, dtype, rows):
-    """models/linear.py swiglu: one mlp_blocked call where both weights are blocked and their
+    """CpuLinearMethod.apply_swiglu: one mlp_blocked call where both weights are blocked and their
     own calls would take linear_blocked's register form at this row count (blocked; widening
     below WIDEN_MIN_ROWS; a few-rows split's copy up to FEW_ROWS), else the three calls, with the
     same values either way."""
@@ -404,7 +404,8 @@ def test_compiled_graphs_take_the_fused_mlp_and_the_native_gather(block_every_si
         graphs.append({node.target for node in gm.graph.nodes})
         return gm.forward
     torch._dynamo.reset()
-    f = torch.compile(lambda ids: swiglu(table.rows(ids), gu, d, silu_mul), backend=backend, dynamic=True)
+    f = torch.compile(lambda ids: gu.method.apply_swiglu(gu, d, table.rows(ids), silu_mul), backend=backend,
+                      dynamic=True)
     ids = torch.tensor([5, 90, 17])
     assert torch.equal(f(ids), _three_calls(table.rows(ids), gu, d))
     ops = torch.ops.hybrid_engine_cpu
@@ -456,7 +457,7 @@ def test_merged_shards_load_into_their_rows():
     layer.weight_loader("attn.q_proj.weight", q)
     layer.process_weights_after_loading()
     x = torch.randn(3, 8, generator=g)
-    got_q, got_k = layer.split(layer(x))
+    got_q, got_k = layer(x).split(layer.output_sizes, dim=-1)
     torch.testing.assert_close(got_q, F.linear(x, q))
     torch.testing.assert_close(got_k, F.linear(x, k))
     with pytest.raises(ValueError, match="either out_features or shards"):

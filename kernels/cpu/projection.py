@@ -235,6 +235,9 @@ class CpuLinearMethod(LinearMethod):
             return plain_linear(x, layer.weight)
         return layer.layout(x)
 
+    def product(self, layer: nn.Module):
+        return layer.layout if layer.layout is not None else super().product(layer)
+
     def apply_swiglu(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, silu_mul) -> torch.Tensor:
         if gate_up.layout is not None and isinstance(down.method, CpuLinearMethod) and down.layout is not None:
             fused = fused_swiglu(x, gate_up.layout, down.layout)
