@@ -11,7 +11,7 @@ moved by about +-3%.
     python benchmarks/mtp_pairs.py --ks 3,4,5 --rounds 6 [--dtype bfloat16] [--json out.json]
 
 Greedy, --max-tokens per prompt with end-of-sequence ignored (as the bench), batch 1, the
-engines stepped on this thread (cli_bench.SteppedEngine). Every k's tokens are checked equal to
+engines stepped on this thread (hybrid_engine/cli/bench.py SteppedEngine). Every k's tokens are checked equal to
 k = 0's first.
 """
 
@@ -31,7 +31,7 @@ from bench_llamacpp import cpu_record  # noqa: E402
 
 from hybrid_engine.cli import (add_engine_arguments, add_sampling_arguments, build_engine,  # noqa: E402
                                encode_prompts, read_prompt_file, sampling_params)
-from hybrid_engine.cli_bench import BUILTIN_PROMPTS, SteppedEngine  # noqa: E402
+from hybrid_engine.cli.bench import BUILTIN_PROMPTS, SteppedEngine  # noqa: E402
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

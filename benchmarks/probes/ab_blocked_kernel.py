@@ -32,7 +32,7 @@ from bench_llamacpp import cpu_record  # noqa: E402
 from mtp_pairs import add_arguments, load_prompts, quartiles, time_prompt  # noqa: E402
 
 from hybrid_engine.cli import build_engine, sampling_params  # noqa: E402
-from hybrid_engine.cli_bench import SteppedEngine  # noqa: E402
+from hybrid_engine.cli.bench import SteppedEngine  # noqa: E402
 from hybrid_engine.kernels.cpu import block_weight, blocked_linear, build, native_available  # noqa: E402
 from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
 

@@ -18,7 +18,7 @@ import itertools
 import json
 
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.cli_bench import BUILTIN_PROMPTS
+from hybrid_engine.cli.bench import BUILTIN_PROMPTS
 
 TEMPERATURES = (0.0, 0.6, 0.8)
 TOP_PS = (0.9, 1.0)

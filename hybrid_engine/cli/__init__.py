@@ -1,6 +1,8 @@
 """`hybrid-engine` console script: generate, bench, inspect (and `inspect diff`).
 
-This file holds what the three commands share: the parser, the engine and prompt options,
+Each command is a module of this package (generate.py, bench.py, inspect.py with
+inspect_prefix.py, serve.py: NAME, HELP, DESCRIPTION, add_arguments, run); this file holds what
+they share: the parser, the engine and prompt options,
 and the one rule for errors: a user's mistake (a bad flag value, a missing model folder, a
 bad prompt, an unreadable snapshot, speculation without an MTP head) is one line on stderr,
 `hybrid-engine: error: ...`, and exit code 2. A bug still shows its traceback.
@@ -50,20 +52,20 @@ def main(argv=None) -> int:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from . import cli_bench, cli_generate, cli_inspect, cli_serve
+    from . import bench, generate, inspect, serve
 
     # `inspect diff A B` has its own positionals; `inspect [PROMPT ...]` takes prompts.
     if argv[:2] == ["inspect", "diff"]:
-        parser = _Parser(prog=f"{PROG} inspect diff", description=cli_inspect.DIFF_DESCRIPTION)
-        cli_inspect.add_diff_arguments(parser)
+        parser = _Parser(prog=f"{PROG} inspect diff", description=inspect.DIFF_DESCRIPTION)
+        inspect.add_diff_arguments(parser)
         args = parser.parse_args(argv[2:])
-        args.run = cli_inspect.run_diff
+        args.run = inspect.run_diff
         return args
     parser = _Parser(prog=PROG, description="Inference engine for Qwen3.5-style hybrid LMs.",
                      epilog="`hybrid-engine inspect diff A B` compares two snapshots. "
                             "`hybrid-engine COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (cli_generate, cli_bench, cli_inspect, cli_serve):
+    for module in (generate, bench, inspect, serve):
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -103,15 +105,15 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args, num_speculative_tokens: int = 0, dtype: str | None = None):
-    from . import LLM
+    from .. import LLM
 
     return LLM(**engine_arguments(args, num_speculative_tokens, dtype))
 
 
 def build_engine(args, num_speculative_tokens: int = 0, dtype: str | None = None):
     """An LLMEngine with build_llm's settings, for stepping on the caller's thread (no loop thread)."""
-    from .config import EngineConfig
-    from .engine import LLMEngine
+    from ..config import EngineConfig
+    from ..engine import LLMEngine
 
     return LLMEngine(EngineConfig(**engine_arguments(args, num_speculative_tokens, dtype)))
 
@@ -215,7 +217,7 @@ def encode_prompts(llm, prompts: list[str | list[int]]) -> list[str | list[int]]
 def sampling_params(args, **fixed):
     """SamplingParams from the sampling flags present on `args`, checked before any model loads;
     a bad value is reported under its flag's name."""
-    from .sampling_params import SamplingParams
+    from ..sampling_params import SamplingParams
 
     names = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "stop",
              "repetition_penalty", "ignore_eos")
@@ -223,8 +225,8 @@ def sampling_params(args, **fixed):
     given.update(fixed)
     values = dict(args.builtin_sampling)
     if args.model_sampling_defaults:
-        from .default_model import default_model_path
-        from .generation_defaults import FILE_NAME, describe, load_generation_defaults
+        from ..default_model import default_model_path
+        from ..generation_defaults import FILE_NAME, describe, load_generation_defaults
 
         folder = args.model or default_model_path()
         try:
@@ -302,10 +304,3 @@ def write_json(path: str, data) -> None:
     else:
         Path(path).write_text(text + "\n")
 
-
-if __name__ == "__main__":
-    # Through the imported module, not this __main__ copy: the command modules raise
-    # hybrid_engine.cli.CLIError, which only that module's main() catches.
-    from hybrid_engine.cli import main as _main
-
-    sys.exit(_main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import CLIError, build_llm, console, sampling_params, write_json
+from . import CLIError, build_llm, console, sampling_params, write_json
 
 
 def prefix_report(engine) -> dict | None:
@@ -27,7 +27,7 @@ def prefix_report(engine) -> dict | None:
 
 def verify_prefix(args, prompts_of) -> int:
     """prompts_of(llm) -> the prompts to use (the first two; text or token ids)."""
-    from . import SamplingParams
+    from .. import SamplingParams
 
     k = args.speculative_tokens
     # --max-tokens and the other sampling flags, checked (and their defaults filled in) before

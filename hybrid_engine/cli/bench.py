@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import (CLIError, add_engine_arguments, add_sampling_arguments, build_engine, check_output_path, console,
+from . import (CLIError, add_engine_arguments, add_sampling_arguments, build_engine, check_output_path, console,
                   dtype_name, encode_prompts, read_prompt_file, sampling_params, write_json)
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def _report(results: list[Measured], params, args, model: tuple[str, str], num_p
     """model: (folder, dtype)."""
     import torch
 
-    from .kernels.cpu.isa import cpu_level, detected_level
+    from ..kernels.cpu.isa import cpu_level, detected_level
 
     base = results[0]
     base_wall = _median(base.walls)

@@ -6,8 +6,8 @@ import signal
 import sys
 import threading
 
-from .cli import CLIError, add_engine_arguments, build_llm
-from .serve.limits import DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT
+from . import CLIError, add_engine_arguments, build_llm
+from ..serve.limits import DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT
 
 NAME = "serve"
 HELP = "serve the model over an OpenAI-compatible HTTP API"
@@ -58,8 +58,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .serve.app import attach_engine, create_app
-    from .serve.server import bind, make_server
+    from ..serve.app import attach_engine, create_app
+    from ..serve.server import bind, make_server
 
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")

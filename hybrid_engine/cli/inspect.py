@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import sys
 
-from .cli import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
+from . import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
                   check_output_path, console, dtype_name, encode_prompts, read_prompts, sampling_params,
                   write_json)
-from .cli_inspect_prefix import prefix_report, verify_prefix
+from .inspect_prefix import prefix_report, verify_prefix
 
 NAME = "inspect"
 HELP = "inspect pools, block tables, slots and per-layer state; snapshots and their diff"
@@ -121,7 +121,7 @@ def tensor_stats(t) -> dict:
 # ---- inspect at a step -------------------------------------------------------------------------
 
 def _default_prompts(llm) -> list:
-    from .cli_bench import BUILTIN_PROMPTS
+    from .bench import BUILTIN_PROMPTS
 
     if llm.tokenizer is not None:
         return BUILTIN_PROMPTS[:2]

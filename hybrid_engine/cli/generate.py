@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from .cli import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
+from . import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
                   encode_prompts, read_prompts, sampling_params)
 
 NAME = "generate"
