@@ -14,7 +14,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     # None: as many as cache_memory_bytes holds at DEFAULT_KV_TOKENS_PER_SEQ tokens each (at most
-    # 256), or 64 without a budget (hybrid_engine/engine.py derive_max_num_seqs).
+    # 256), or 64 without a budget (hybrid_engine/cache_sizing.py derive_max_num_seqs).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     cache_memory_bytes: int | None = None

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.engine import DEFAULT_MAX_NUM_SEQS, MAX_DERIVED_NUM_SEQS, derive_max_num_seqs
+from hybrid_engine.cache_sizing import DEFAULT_MAX_NUM_SEQS, MAX_DERIVED_NUM_SEQS, derive_max_num_seqs
 from hybrid_engine.state_cache import CheckpointPool
 
 from engine_checks import assert_no_leak

@@ -1,56 +1,47 @@
-"""The CPU weight-layout policy: for each projection weight W [out, in], the layout its products
-x W^T run fastest from, chosen once after loading (`choose_projection`, vLLM's
-`process_weights_after_loading`) and applied by calling the object (`apply`). Models call the
-projection and know no layout.
+"""The cpu backend's linear method (`CpuLinearMethod`) and the weight-layout policy behind it:
+for each projection weight W [out, in], the layout its products x W^T run fastest from, chosen
+once after loading (`choose_projection`) and applied by calling the object. Models declare
+projections by shape (models/linear.py) and know no layout. The measurements behind each rule
+are in benchmarks/history/RESULTS_LOG.md (search "projection"); the current figures in
+benchmarks/RESULTS.md.
 
 Layouts, by what the process's level allows (kernels/cpu/isa.py):
 
 - Plain: the weight as loaded: float32 weights the native kernel cannot take and, where oneDNN
   does not pack them, bf16 weights under BLOCKED_MIN_BYTES and float16 ones. Every blockable
-  float32 weight is blocked, small ones too, on every vendor's CPU. On other vendors' CPUs MKL
-  runs generic code, 2-3x slower than the native kernel for small shapes (AMD EPYC, AVX-512, the
-  default model's batch-1 decode: 1.35x compiled, 1.43x eager). On Intel's, where MKL's GEMV is
-  tuned, small weights used to stay plain (a 1-row product of a few hundred KB is over in
-  microseconds, and the native call costs a few more than MKL's). Since the MLP runs in one
-  native call where both of its weights are blocked (`fused_swiglu`), blocking them too costs a
-  batch-1 step nothing and saves much at MTP verify's rows. There MKL leaves its GEMV path at 4
-  rows: at 5 rows, 768x192 18 vs 16 us, 192x384 15 vs 12, 320x192 14.5 vs 10. Measured on a
-  2-core Intel Xeon (AVX-512 + AMX), the default model in one process per variant, alternated:
-  k=0 decode steps 1.45-1.50 ms both ways, k=4 verify forwards 1.74-1.90 -> 1.53-1.62 ms (eager;
-  at the AVX2 level 1.77-1.85 -> 1.58); compiled k=0 steps unchanged (0.99x, interleaved).
-  For 8-32 rows of x, MKL computes float32 x W^T 1.1-1.6x slower than W x^T
-  (measured: the 248320-row lm_head at 16 rows 163 vs 106 ms, the 0.8B MLP's gate_up 134 vs 99
-  ms over 24 layers, 2 threads), so `plain_linear` asks for the latter there and transposes the
-  small result back; at 1-3 rows MKL's GEMV path is faster, from 64 rows on x W^T wins again.
-  (Not in traced graphs: inductor picks its own product.)
+  float32 weight is blocked, small ones too, on every vendor's CPU: on other vendors' CPUs MKL
+  runs generic code, slower than the native kernel for small shapes; on Intel's, where MKL's
+  GEMV is tuned, a small weight's product is over in microseconds either way, but an MLP whose
+  two weights are both blocked runs in one native call (`fused_swiglu`), and at MTP verify's
+  few rows the kernel beats MKL, which leaves its GEMV path at 4 rows. For 8-32 rows MKL computes
+  float32 x W^T slower than W x^T, so `plain_linear` (kernels/linear.py) asks for the latter.
 
-- Blocked (the native kernel, kernels/cpu/blocked.py): float32 W becomes [N/16, K, 16] and
-  every product runs in the hand-written kernel: at 1 row it streams as fast as MKL's GEMV
-  (1.0-1.1x), at 4 rows (MTP verify) 1.7-1.9x MKL, at 16 rows 1.4-1.5x MKL's best form, at 512
-  rows on par (AVX-512 measurements). bf16 W is blocked too where oneDNN may not pack it (AVX2:
-  torch's bf16 matmul has no fast path there; see Widening below). One copy
-  of the weights replaces the plain one.
+- Blocked (the native kernel, kernels/cpu/blocked.py): float32 W becomes [N/16, K, 16] and every
+  product runs in the hand-written kernel, which streams as fast as MKL's GEMV at 1 row and
+  faster at the few rows of MTP verify and small batches, on par for prefill. bf16 W is blocked
+  too where oneDNN may not pack it (AVX2: torch's bf16 matmul has no fast path there; see
+  Widening below). One copy of the weights replaces the plain one.
 
 - Widening (bf16 where neither oneDNN packs it nor the level has a bf16 dot product: AVX2): the
   blocked bf16 weight, one copy. Few rows widen W in registers (the product is bound by memory,
   the extra ops are free); from WIDEN_MIN_ROWS rows on (prefill, big batches) the kernel widens
-  W's tiles to float32 once per call and runs its float32 tiles, which widening in registers
-  (two more ALU ops per FMA pair) leaves 1.4-1.6x behind from 32-512 rows (measured at AVX2,
-  0.8B shapes: crossover at 12 rows, 2x slower at 1 row). Same FMAs, same order: same results.
+  W's tiles to float32 once per call and runs its float32 tiles, since widening in registers
+  costs two more ALU ops per FMA pair once the product is bound by arithmetic. Same FMAs, same
+  order: same results.
 
 - oneDNN-packed (bf16 / fp16 where `onednn_packs`): PyTorch's plain bf16 matmul converts as it
-  goes and reaches about 2/3 of the bandwidth oneDNN gets from a weight reordered once into its
+  goes and reaches well under the bandwidth oneDNN gets from a weight reordered once into its
   blocked layout (AMX / AVX512-BF16 kernels), at batch 1 and batched alike. The packed tensor is
   opaque (inference only). Compiled steps (onednn=False) keep such weights plain instead:
   inductor's freezing packs the weights of its graphs itself.
 
 - Few-rows split: a bf16 weight that oneDNN packs (or that compiled steps leave plain for it)
   also gets a blocked copy for products of at most FEW_ROWS rows of x (batch-1 decode, MTP
-  verify at k <= 3): there the native kernel's AVX512-BF16 dot products stream 1.3-1.5x faster
-  than oneDNN (26-28 vs 18-20 GB/s at 0.8B shapes), while from 8 rows on oneDNN's AMX kernel is
-  faster, 2.5x at 32 rows and more for prefill. The price is a second copy of the bf16 weights.
-  Under torch.compile the row count test is on the input's (symbolic) shape: dynamo guards on
-  it, so a graph traced for few rows and one for more each take their own branch.
+  verify at k <= 3): there the native kernel's AVX512-BF16 dot products stream faster than
+  oneDNN, while from 8 rows on oneDNN's AMX kernel is faster. The price is a second copy of the
+  bf16 weights. Under torch.compile the row count test is on the input's (symbolic) shape:
+  dynamo guards on it, so a graph traced for few rows and one for more each take their own
+  branch.
 """
 
 from __future__ import annotations
