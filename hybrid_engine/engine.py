@@ -474,8 +474,7 @@ class LLMEngine:
         tokens past the known ones are this step's emitted tokens (not appended yet). None for a
         request this step finishes by length: its drafts would be thrown away."""
         seg, req, emitted = result.segment, result.segment.request, result.token_ids
-        finishing = bool(emitted) and (len(req.output_token_ids) + len(emitted) >= req.params.max_tokens
-                                       or req.num_tokens + len(emitted) >= self.max_model_len)
+        finishing = bool(emitted) and req.finishes_by_length(self.max_model_len, len(emitted))
         if finishing and self.prefix is None:
             return None
         # With prefix caching the MTP KV of every committed position is kept: later hits share it.

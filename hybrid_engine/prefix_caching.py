@@ -209,7 +209,7 @@ class PrefixCaching:
                 continue
             rc = self.cache.get(req.request_id)
             j = end - seg.start - 1                   # write slot j: the state after position start + j
-            slot = rc.slot if j == 0 else rc.draft_slots[j - 1]
+            slot = rc.write_slot(j)
             key = self._hash_through(req, end, result.token_ids)
             row = hidden[seg.first_row + j] if self.cache.spec.hidden_size else None   # kept for MTP only
             if self.cache.save_checkpoint(req.request_id, end, key, slot, row, pending=True):

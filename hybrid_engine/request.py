@@ -96,6 +96,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def finishes_by_length(self, max_model_len: int, more: int = 0) -> bool:
+        """The length rule, in one place: whether the request, with `more` tokens appended to
+        what it has, has reached max_tokens outputs or max_model_len tokens."""
+        return (len(self.output_token_ids) + more >= self.params.max_tokens
+                or self.num_tokens + more >= max_model_len)
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens

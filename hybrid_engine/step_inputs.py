@@ -235,8 +235,7 @@ class StepInputBuilder:
                 if n != decode_len:
                     raise RuntimeError("decode segments of one step must all have the same length")
                 ids.extend(req.draft_token_ids)
-                write_slots.append(rc.slot)
-                write_slots.extend(rc.draft_slots[:n - 1])
+                write_slots.extend(rc.write_slots(n))
             positions.extend(range(start, end))
             slots.extend(kv_slots(rc.block_table, start, end, bs))
             cu.append(cu[-1] + n)

@@ -114,8 +114,7 @@ class StepUpdater:
             req.finish_reason, req.stop_reason = "stop", tok if is_stop_token else None
         elif p.stop and detok is not None and may_stop:
             _cut_at_stop_string(req, new_text)
-        if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
-                                          or req.num_tokens >= self.max_model_len):
+        if req.finish_reason is None and req.finishes_by_length(self.max_model_len):
             req.finish_reason = "length"
         if req.finish_reason is None:
             return False

@@ -71,6 +71,19 @@ class RequestCache:
     # MTP layer's one KV entry there (taken once by take_hit_hidden).
     hit_hidden: torch.Tensor | None = None
 
+    # The write-slot order, in one place: a step of n tokens from the committed state writes the
+    # state after its token j to write slot j: the committed slot for j = 0 (plain decode writes
+    # back where it read), draft slot j - 1 after it. commit_verify then swaps the slot after the
+    # last accepted token in as the committed one.
+
+    def write_slot(self, j: int) -> int:
+        """Where the GDN state after token j of a step (from the committed state) goes."""
+        return self.slot if j == 0 else self.draft_slots[j - 1]
+
+    def write_slots(self, n: int) -> list[int]:
+        """write_slot(j) for the n tokens of a step, in order."""
+        return [self.slot, *self.draft_slots[:n - 1]]
+
 
 @dataclass
 class PrefixHit:
@@ -341,9 +354,9 @@ class HybridCacheManager:
         if not 0 <= accepted <= len(cache.draft_slots):
             raise IndexError(f"request {request_id!r} has {len(cache.draft_slots)} draft slots; "
                              f"cannot accept {accepted} drafts")
-        if accepted:
+        if accepted:                       # write slot `accepted` holds the state after the last one
             i = accepted - 1
-            cache.slot, cache.draft_slots[i] = cache.draft_slots[i], cache.slot
+            cache.slot, cache.draft_slots[i] = cache.write_slot(accepted), cache.slot
         cache.num_committed_tokens = num_tokens
 
     def _check_commit(self, request_id: Hashable, cache: RequestCache, num_tokens: int) -> None:

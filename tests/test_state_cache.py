@@ -167,6 +167,9 @@ def test_commit_verify_moves_length_and_slot_together():
     m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=4)
     cache = m.allocate("a", 9, num_draft_slots=3)
     slot, drafts, table = cache.slot, list(cache.draft_slots), list(cache.block_table)
+    # a verify of 4 tokens writes the state after token j to write slot j: committed, then drafts
+    assert cache.write_slots(4) == [slot, *drafts] and cache.write_slots(1) == [slot]
+    assert [cache.write_slot(j) for j in range(4)] == [slot, *drafts]
     m.commit("a", 5)
     assert cache.num_committed_tokens == 5
     m.commit_verify("a", 7, accepted=2)   # last token + 2 drafts: the state after draft 2
