@@ -8,12 +8,14 @@ hybrid_engine/step_update.py applies all of it (tokens, stops, commits, frees) i
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import numbers
 import os
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -57,6 +59,17 @@ def parse_speculative_config(spec: dict | None) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
         raise ValueError(f"num_speculative_tokens must be an int in 1..8, got {k!r}")
     return k
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt and its sampling params as `LLMEngine.prepare` checked them: validated and
+    tokenized once, the params a private copy, then handed on (LLM -> EngineLoop -> LLMEngine)
+    and never checked again."""
+
+    text: str | None           # the prompt's text (None for a token-id prompt)
+    token_ids: list[int]
+    params: SamplingParams
 
 
 class StepFailedError(RuntimeError):
@@ -222,6 +235,15 @@ class LLMEngine:
                              f"(max_model_len {self.max_model_len})")
         return text, ids
 
+    def prepare(self, prompt, params: SamplingParams | None = None) -> PreparedPrompt:
+        """The one check of a request before it runs: params validated (and copied: the caller
+        may change or reuse its object while the request runs), the prompt tokenized and checked.
+        ValueError naming the problem. Callers that queue a request elsewhere (EngineLoop, LLM)
+        prepare it once and pass the PreparedPrompt on."""
+        params = copy.deepcopy(self.validate_params(params))
+        text, ids = self.encode_prompt(prompt)
+        return PreparedPrompt(text, ids, params)
+
     def validate_params(self, params) -> SamplingParams:
         if params is None:
             params = SamplingParams()
@@ -230,18 +252,18 @@ class LLMEngine:
         params.validate(self.model_config.vocab_size)
         return params
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_text: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; a bad one raises ValueError and changes nothing.
-        prompt_text: the text a token-id prompt was encoded from, for its outputs (EngineLoop
-        tokenizes in the caller's thread, not on the loop's)."""
+        prompt: a str, token ids, or a PreparedPrompt (`prepare`d already, in the caller's thread:
+        EngineLoop; it carries its params, so `params` must be None)."""
         self._check_alive()
-        params = self.validate_params(params)
-        text, ids = self.encode_prompt(prompt)
-        if prompt_text is not None:
-            if text is not None:
-                raise ValueError("prompt_text goes with a token-id prompt, not a text one")
-            text = prompt_text
+        if isinstance(prompt, PreparedPrompt):
+            if params is not None:
+                raise ValueError("a PreparedPrompt carries its own sampling params; pass params=None")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, params)
+        text, ids, params = prepared.text, prepared.token_ids, prepared.params
         if request_id is None:
             request_id = self.request_ids.new(self._id_in_use)
         request_id = str(request_id)

@@ -40,7 +40,6 @@ No caller is ever left waiting:
 from __future__ import annotations
 
 import atexit
-import copy
 import queue
 import threading
 import weakref
@@ -49,7 +48,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-from .engine import EngineDeadError, LLMEngine, StepFailedError
+from .engine import EngineDeadError, LLMEngine, PreparedPrompt, StepFailedError
 from .outputs import RequestOutput
 from .request_group import check_caller_request_id
 from .sampling_params import SamplingParams
@@ -111,9 +110,12 @@ class EngineLoop:
 
         With on_output the returned stream is only a handle: close() aborts the request, but
         dropping the handle does not (the callback is the consumer)."""
-        # A private copy: the caller may change or reuse its SamplingParams while this runs.
-        params = copy.deepcopy(self._engine.validate_params(params))
-        text, token_ids = self._engine.encode_prompt(prompt)
+        if isinstance(prompt, PreparedPrompt):          # prepared by LLM: checked once already
+            if params is not None:
+                raise ValueError("a PreparedPrompt carries its own sampling params; pass params=None")
+            prepared = prompt
+        else:
+            prepared = self._engine.prepare(prompt, params)
         if request_id is not None:
             if not isinstance(request_id, str):
                 raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")
@@ -126,7 +128,7 @@ class EngineLoop:
             self._check_open()
             request_id = self._reserve_id(request_id)
             self._consumers[request_id] = on_output
-            self._commands.append(lambda: self._add(request_id, text, token_ids, params))
+            self._commands.append(lambda: self._add(request_id, prepared))
             self._wake.notify()
         return RequestStream(self, request_id, buffer)
 
@@ -234,11 +236,11 @@ class EngineLoop:
             if busy:
                 self._step()
 
-    def _add(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prepared: PreparedPrompt) -> None:
         if request_id not in self._consumers:   # aborted before it reached the loop
             return
         try:
-            self._engine.add_request(token_ids, params, request_id, prompt_text=text)
+            self._engine.add_request(prepared, request_id=request_id)
         except Exception as e:   # validated in submit(), so only an engine fault lands here
             self._deliver_error(request_id, e)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine import LLMEngine, PreparedPrompt
 from .engine_loop import EngineDeadError, EngineLoop
 from .generation_defaults import load_generation_defaults
 from .outputs import RequestOutput
@@ -75,7 +75,7 @@ class LLM:
         if loop is not None:
             loop.shutdown()
 
-    def _normalise(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
+    def _normalise(self, prompts, sampling_params) -> list[PreparedPrompt]:
         """Checks every prompt and parameter before anything runs; ValueError names the index."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -93,11 +93,9 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p = self.get_default_sampling_params() if p is None else p
             try:
-                p = self.engine.validate_params(p)
-                self.engine.encode_prompt(prompt)
+                checked.append(self.engine.prepare(prompt, p))      # the request's one check
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            checked.append((prompt, p))
         return checked
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
@@ -111,8 +109,8 @@ class LLM:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         unfinished: set[str] = set()
         try:
-            for prompt, params in checked:
-                unfinished.add(self.loop.submit(prompt, params, on_output=inbox.put).request_id)
+            for prepared in checked:
+                unfinished.add(self.loop.submit(prepared, on_output=inbox.put).request_id)
             while unfinished:
                 out = _received(self.loop.receive(inbox))
                 if out.finished:
@@ -138,8 +136,8 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(checked), desc="generate", disable=not use_tqdm)
         try:
-            for prompt, params in checked:
-                ids.append(self.loop.submit(prompt, params, on_output=keep_final).request_id)
+            for prepared in checked:
+                ids.append(self.loop.submit(prepared, on_output=keep_final).request_id)
             while len(final) < len(ids):
                 out = _received(self.loop.receive(inbox))
                 final[out.request_id] = out

@@ -229,3 +229,25 @@ def test_random_config_edits_raise_only_checkpoint_or_value_errors(ckpt, tmp_pat
         edited.generate([1, 2], SamplingParams(max_tokens=2), use_tqdm=False)
         edited.shutdown()
     assert_serves(llm)
+
+
+def test_each_request_is_checked_and_tokenized_once(ckpt, monkeypatch):
+    """LLM.generate, EngineLoop.submit and LLMEngine.add_request each prepare a request once
+    (LLMEngine.prepare) and hand the PreparedPrompt on: one prompt check per request, on any
+    path, and the caller's SamplingParams is never the request's own object."""
+    from hybrid_engine.engine import LLMEngine, PreparedPrompt
+    calls = []
+    encode = LLMEngine.encode_prompt
+    monkeypatch.setattr(LLMEngine, "encode_prompt", lambda self, p: calls.append(p) or encode(self, p))
+    llm = LLM(model=str(ckpt), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    outs = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [2, 2] and calls == [[1, 2, 3], [4, 5]]
+    calls.clear()
+    assert list(llm.loop.submit([7, 8], params))[-1].finished and calls == [[7, 8]]
+    calls.clear()
+    engine = llm.engine
+    prepared = engine.prepare([9], params)
+    assert isinstance(prepared, PreparedPrompt) and prepared.params is not params and calls == [[9]]
+    with pytest.raises(ValueError, match="carries its own sampling params"):
+        llm.loop.submit(prepared, params)
