@@ -88,8 +88,9 @@ class PlainProjection(Projection):
 class BlockedProjection(Projection):
     """A weight whose row count is not a multiple of BLOCK (the default model's GDN in_proj: 392)
     is blocked with zero rows after it and the padded columns of the product are dropped: left
-    plain it runs in MKL, which on a cold cache (the step's other weights just passed through L2)
-    takes 33 us there against the kernel's 15 (AMD EPYC, 2 threads; MKL's generic code)."""
+    plain it would run in MKL, which on a cold cache (the step's other weights just passed
+    through L2) took about twice the kernel's time there on AMD's CPUs (MKL's generic code;
+    benchmarks/history/RESULTS_LOG.md)."""
 
     replaces_weight = True
 
