@@ -31,15 +31,15 @@ from .outputs import RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
 from .request_group import AutomaticRequestIds, RequestGroup, check_caller_request_id, sample_request_id
-from .sampler import Sampler, SamplingRow, greedy_token_ids
+from .sampler import Sampler
+from .sampling_step import sample_segments
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .step_inputs import StepInputBuilder, StepInputs
+from .step_inputs import StepInputBuilder
 from .step_update import SegmentResult, StepOutput, StepUpdater, request_output, take_text_delta
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
-from hybrid_engine.spec_decode.mtp_drafter import CatchUp, MTPDrafter
+from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter, catch_up
 from hybrid_engine.spec_decode.stats import SpecStats
-from hybrid_engine.spec_decode.verifier import accept_greedy, accept_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         inputs = self.builder.build(sched, self.cache)
         hidden, logits = self.runner.forward(inputs)
-        results = self._sample(inputs, logits)
+        results = sample_segments(inputs, logits, self.sampler)
         drafts = self._draft(results, hidden)
         if self.prefix is not None:
             self.prefix.take_checkpoints(results, hidden)
@@ -446,94 +446,11 @@ class LLMEngine:
                     del self.groups[item.request_id]
         return result
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> list[SegmentResult]:
-        """Tokens emitted per segment: none for a prefill chunk short of the end, one for a
-        prefill's end or a plain decode, 1..k+1 for a verify. Greedy segments without penalties,
-        logprobs or banned tokens skip the sampler (one argmax over all of their rows); every
-        other row is sampled in one sampler call."""
-        result, greedy, sampled, rows = {}, [], [], []
-        for span in inputs.sample_spans:
-            seg, _, n = span
-            req = seg.request
-            if self._is_plain_greedy(req):
-                greedy.append(span)
-            else:
-                drafts = req.draft_token_ids
-                rows.extend(self._sampling_row(req, drafts[:j]) for j in range(n))
-                sampled.append(span)
-        if greedy:
-            targets, at = greedy_token_ids(_logits_rows(logits, greedy)), 0
-            for seg, _, n in greedy:
-                # One row (a plain decode, a prefill's end) emits its target whatever the drafts.
-                tokens = (targets[at:at + 1] if n == 1
-                          else accept_greedy(targets[at:at + n], seg.request.draft_token_ids))
-                result[id(seg)] = (tokens, [None] * n)
-                at += n
-        if sampled:
-            out, at = self.sampler(_logits_rows(logits, sampled), rows), 0
-            for seg, _, n in sampled:
-                toks, lps = out.token_ids[at:at + n], out.logprobs[at:at + n]
-                m = accept_sampled(toks, seg.request.draft_token_ids) if n > 1 else 1
-                result[id(seg)] = (toks[:m], lps[:m])
-                at += n
-        return [SegmentResult(seg, *result.get(id(seg), ([], []))) for seg in inputs.segments]
-
-    @staticmethod
-    def _is_plain_greedy(req: Request) -> bool:
-        p = req.params
-        return (p.is_greedy and p.logprobs is None and not _has_penalties(p)
-                and len(req.output_token_ids) >= p.min_tokens)
-
     def _draft(self, results: list[SegmentResult], hidden: torch.Tensor) -> dict[str, list[int]]:
         """The MTP drafter catches up over what each segment commits and proposes the drafts of
         each request that sampled (none without speculation)."""
         if self.drafter is None:
             return {}
-        return self.drafter.run([c for r in results if (c := self._catchup(r, hidden)) is not None])
-
-    def _catchup(self, result: SegmentResult, hidden: torch.Tensor) -> CatchUp | None:
-        """The MTP inputs for the positions this step commits: h_i with token i+1, where the
-        tokens past the known ones are this step's emitted tokens (not appended yet). None for a
-        request this step finishes by length: its drafts would be thrown away."""
-        seg, req, emitted = result.segment, result.segment.request, result.token_ids
-        finishing = bool(emitted) and req.finishes_by_length(self.max_model_len, len(emitted))
-        if finishing and self.prefix is None:
-            return None
-        # With prefix caching the MTP KV of every committed position is kept: later hits share it.
-        n = len(emitted) if seg.is_decode else seg.num_tokens
-        start, rows = seg.start, hidden[seg.first_row:seg.first_row + n]
-        hit_hidden = None if seg.is_decode or self.prefix is None else self.cache.take_hit_hidden(req.request_id)
-        if hit_hidden is not None:
-            # After a prefix hit at L: the MTP entry at L - 1 pairs the cached h_{L-1} with this
-            # request's token L, which the cached block's entry may not (one MTP token, not a block).
-            start, n, rows = start - 1, n + 1, torch.cat([hit_hidden[None].to(rows.dtype), rows])
-        next_tokens = req.token_ids_in(start + 1, start + n + 1 - len(emitted)) + emitted
-        return CatchUp(req.request_id, start, next_tokens, rows, draft=seg.samples and not finishing)
-
-    def _sampling_row(self, req: Request, extra: list[int] = ()) -> SamplingRow:
-        """`extra`: tokens accepted earlier in the same verify, not yet appended. Only penalties
-        read the row's output tokens, so only for them is the history copied with `extra`
-        (O(tokens so far) per row)."""
-        output = req.output_token_ids
-        if extra and _has_penalties(req.params):
-            output = output + list(extra)
-        banned = []
-        if len(req.output_token_ids) + len(extra) < req.params.min_tokens:
-            banned = list(req.params.stop_token_ids or [])
-            if not req.params.ignore_eos:
-                banned += req.eos_token_ids
-        return SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_seed,
-                           len(req.output_token_ids) + len(extra), banned)
-
-
-def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:
-    """The rows of (segment, first row, rows) spans, in order; `logits` itself (no gather) when
-    they are all of its rows, as sample_spans are sorted and disjoint."""
-    if sum(n for _, _, n in spans) == logits.shape[0]:
-        return logits
-    index = [row for _, first, n in spans for row in range(first, first + n)]
-    return logits[torch.tensor(index, device=logits.device)]
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        keep_all = self.prefix is not None      # later prefix hits share every committed position's MTP KV
+        return self.drafter.run([c for r in results
+                                 if (c := catch_up(r, hidden, self.cache, self.max_model_len, keep_all)) is not None])

@@ -26,6 +26,7 @@ from hybrid_engine.state_cache import HybridCacheManager
 
 if TYPE_CHECKING:
     from hybrid_engine.step_inputs import StepInputBuilder
+    from hybrid_engine.step_update import SegmentResult
 
 
 @dataclass
@@ -92,6 +93,28 @@ class MTPDrafter:
         and block tables covering `lookahead` positions more."""
         return self.builder.build_mtp([(start, n, self.cache.get(rid).block_table) for rid, start, n in segs],
                                       lookahead)
+
+
+
+def catch_up(result: SegmentResult, hidden: torch.Tensor, cache: HybridCacheManager, max_model_len: int,
+             keep_all: bool) -> CatchUp | None:
+    """The MTP inputs for the positions this step commits: h_i with token i+1, where the
+    tokens past the known ones are this step's emitted tokens (not appended yet). None for a
+    request this step finishes by length, unless keep_all (prefix caching: later hits share the
+    MTP KV of every committed position): its drafts would be thrown away."""
+    seg, req, emitted = result.segment, result.segment.request, result.token_ids
+    finishing = bool(emitted) and req.finishes_by_length(max_model_len, len(emitted))
+    if finishing and not keep_all:
+        return None
+    n = len(emitted) if seg.is_decode else seg.num_tokens
+    start, rows = seg.start, hidden[seg.first_row:seg.first_row + n]
+    hit_hidden = None if seg.is_decode or not keep_all else cache.take_hit_hidden(req.request_id)
+    if hit_hidden is not None:
+        # After a prefix hit at L: the MTP entry at L - 1 pairs the cached h_{L-1} with this
+        # request's token L, which the cached block's entry may not (one MTP token, not a block).
+        start, n, rows = start - 1, n + 1, torch.cat([hit_hidden[None].to(rows.dtype), rows])
+    next_tokens = req.token_ids_in(start + 1, start + n + 1 - len(emitted)) + emitted
+    return CatchUp(req.request_id, start, next_tokens, rows, draft=seg.samples and not finishing)
 
 
 def segs_end_rows(segs: list[tuple[str, int, int]]) -> list[int]:
