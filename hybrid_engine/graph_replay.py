@@ -1,21 +1,21 @@
-"""Replays a torch.compile'd function's last graph call when it is called again with the very
-same argument objects (compiled_steps.py: the steady-state decode).
+"""Replays a torch.compile'd function's last graph call when it is called again with the very same
+argument objects (compiled_steps.py: the steady-state decode).
 
 Every call of a torch.compile'd function pays, before its graph runs, dynamo's cache lookup
 (the guards: the arguments' sizes, dtypes, host ints) and the graph's prologue, bytecode that
 walks the arguments and collects the graph's inputs (tensors, and the ints of their dynamic
-sizes, strides and offsets, each through a small wrapper call): about a tenth of a default-model
-decode step (~0.12 of ~1.4 ms). When a call's arguments are the last call's own objects, neither
-can give anything new: the guards read only the arguments and state that is fixed while an
-engine runs (the modules and globals they skip are `compiled_steps._engine_guards`'s), and the
-inputs are the same tensors with the same sizes. So such a call runs the last call's graph on
-its recorded inputs directly.
+sizes, strides and offsets, each through a small wrapper call): a visible share of a small
+model's compiled decode step (benchmarks/RESULTS.md). When a call's arguments are the last
+call's own objects, neither can give anything new: the guards read only the arguments and state
+that is fixed while an engine runs (the modules and globals they skip are
+`compiled_steps._engine_guards`'s), and the inputs are the same tensors with the same sizes. So
+such a call runs the last call's graph on its recorded inputs directly.
 
 For a backend whose graphs take their ints as tensors (`ints_as_tensors`: inductor's C++
 wrapper turns every non-tensor input into a 0-d int64 tensor, `torch.tensor(arg)`, at each call
-before it reads the value back in C++: a dozen per default-model decode step, ~0.2 of ~1.5 ms,
-measured 2026-12-02 on AVX-512), the recorded ints (dynamic sizes, strides, offsets) are kept
-as those tensors: replayed ints never change, so that is done once.
+before it reads the value back in C++: a dozen per default-model decode step), the recorded
+ints (dynamic sizes, strides, offsets) are kept as those tensors: replayed ints never change,
+so that is done once.
 
 What the caller guarantees (StepInputBuilder's steady state does): an argument that is passed
 again as the same object reaches the same tensors, unchanged but for their values (no field of
