@@ -1,7 +1,9 @@
-"""Interleaved A/B of batch-1 decode between two checkouts (e.g. a previous main in a git worktree
+"""Interleaved A/B of engine steps between two checkouts (e.g. a previous main in a git worktree
 and this one): both engines loaded at once, each in its own process, tree and venv
-(TREE/.venv/bin/python), timed blocks of STEPS decode steps alternated A B, B A, ... for PAIRS
-pairs, the ratio B/A per pair. On a shared, drifting machine this settles a few percent where
+(TREE/.venv/bin/python), timed blocks of STEPS steps alternated A B, B A, ... for PAIRS pairs,
+the ratio B/A per pair. A step is a batch-1 decode; AB_BATCH=B, AB_PREFILL=L or AB_SPEC_K=k
+among the ENV arguments make it a batched decode, a prefill or an MTP decode
+(benchmarks/ab_decode_child.py). On a shared, drifting machine this settles a few percent where
 separate runs minutes apart cannot (issue 16's no-regression A/B).
 
     python benchmarks/probes/ab_decode.py TREE_A TREE_B CHECKPOINT DTYPE STEPS PAIRS [compiled] [ENV=V ...] [OUT.json]
