@@ -38,8 +38,20 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach().reshape(n // BLOCK, BLOCK, k)
     if weight.dtype == torch.bfloat16:
         w = torch.nn.functional.pad(w, (0, k % 2))
-        return w.reshape(n // BLOCK, BLOCK, -1, 2).permute(0, 2, 1, 3).contiguous()
-    return w.transpose(1, 2).contiguous()
+        return _page_aligned_copy(w.reshape(n // BLOCK, BLOCK, -1, 2).permute(0, 2, 1, 3))
+    return _page_aligned_copy(w.transpose(1, 2))
+
+
+def _page_aligned_copy(w: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of w that starts on a 4 KiB boundary. Where the allocator happened to put
+    each blocked weight decided how fast the kernel ran it: the same weights ran their products
+    up to a third slower at AVX2 from some addresses, which page alignment removed (the cause is
+    not pinned down; 4K aliasing between the weight stream and the output rows fits it;
+    benchmarks/RESULTS.md, issue 38's A/B). It costs at most 4 KiB a weight."""
+    nbytes = w.numel() * w.element_size()
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8, device=w.device)
+    start = -raw.data_ptr() % 4096
+    return raw[start:start + nbytes].view(w.dtype).view(w.shape).copy_(w)
 
 
 def unblock_weight(w_blocked: torch.Tensor, k: int) -> torch.Tensor:
