@@ -20,6 +20,7 @@ DEFAULT_KV_TOKENS_PER_SEQ = 4096
 DEFAULT_MAX_NUM_SEQS = 64
 MAX_DERIVED_NUM_SEQS = 256
 
+
 def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int,
                    checkpoint_hidden: bool = False) -> CacheSpec:
     """checkpoint_hidden: prefix checkpoints keep a hidden state, for the MTP layer."""

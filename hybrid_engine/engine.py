@@ -239,7 +239,12 @@ class LLMEngine:
         """The one check of a request before it runs: params validated (and copied: the caller
         may change or reuse its object while the request runs), the prompt tokenized and checked.
         ValueError naming the problem. Callers that queue a request elsewhere (EngineLoop, LLM)
-        prepare it once and pass the PreparedPrompt on."""
+        prepare it once and pass the PreparedPrompt on: given one, this returns it as it is (it
+        carries its params, so `params` must be None)."""
+        if isinstance(prompt, PreparedPrompt):
+            if params is not None:
+                raise ValueError("a PreparedPrompt carries its own sampling params; pass params=None")
+            return prompt
         params = copy.deepcopy(self.validate_params(params))
         text, ids = self.encode_prompt(prompt)
         return PreparedPrompt(text, ids, params)
@@ -257,12 +262,7 @@ class LLMEngine:
         prompt: a str, token ids, or a PreparedPrompt (`prepare`d already, in the caller's thread:
         EngineLoop; it carries its params, so `params` must be None)."""
         self._check_alive()
-        if isinstance(prompt, PreparedPrompt):
-            if params is not None:
-                raise ValueError("a PreparedPrompt carries its own sampling params; pass params=None")
-            prepared = prompt
-        else:
-            prepared = self.prepare(prompt, params)
+        prepared = self.prepare(prompt, params)
         text, ids, params = prepared.text, prepared.token_ids, prepared.params
         if request_id is None:
             request_id = self.request_ids.new(self._id_in_use)

@@ -110,12 +110,7 @@ class EngineLoop:
 
         With on_output the returned stream is only a handle: close() aborts the request, but
         dropping the handle does not (the callback is the consumer)."""
-        if isinstance(prompt, PreparedPrompt):          # prepared by LLM: checked once already
-            if params is not None:
-                raise ValueError("a PreparedPrompt carries its own sampling params; pass params=None")
-            prepared = prompt
-        else:
-            prepared = self._engine.prepare(prompt, params)
+        prepared = self._engine.prepare(prompt, params)      # as it is where LLM prepared it already
         if request_id is not None:
             if not isinstance(request_id, str):
                 raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")

@@ -43,8 +43,6 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class LinearMethod:
     """The reference method: one plain [out, in] weight, applied with torch ops."""
 
-    name = "plain"
-
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        dtype: torch.dtype | None = None) -> None:
         """Registers what the loader fills: `layer.weight` [out, in] (on the device in scope:

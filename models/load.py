@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,33 +22,24 @@ def checkpoint_shapes(model: HybridForCausalLM) -> dict[str, tuple[int, ...]]:
     `model.`) -> shapes: each projection layer's own (`Linear.checkpoint_shapes`: a merged layer
     names each of its projections), every other parameter under its module's name. A tied
     lm_head has none of its own."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            if not (name == "lm_head" and model.cfg.tie_word_embeddings):
-                shapes.update(module.checkpoint_shapes(name))
-            continue
-        if any(name.startswith(prefix + ".") for prefix in linears):
-            continue
-        for pname, p in module.named_parameters(recurse=False):
-            shapes[f"{name}.{pname}" if name else pname] = tuple(p.shape)
-    return shapes
+    return {name: shape for name, (shape, _) in _checkpoint_tensors(model).items()}
 
 
-def _loaders(model: HybridForCausalLM) -> dict[str, callable]:
-    """Checkpoint name -> what takes that tensor: the projection layer's weight loader, or the
-    assignment of a module's parameter."""
-    loaders = {}
+def _checkpoint_tensors(model: HybridForCausalLM) -> dict[str, tuple[tuple[int, ...], Callable]]:
+    """Checkpoint name -> (shape, what takes that tensor: the projection layer's weight loader,
+    or the assignment of a module's parameter)."""
+    tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            for ckpt_name in module.checkpoint_shapes(name):
-                loaders[ckpt_name] = lambda t, n=ckpt_name, m=module: m.weight_loader(n, t)
+            if name == "lm_head" and model.cfg.tie_word_embeddings:
+                continue                  # loaded with the embedding table (load_model)
+            for ckpt_name, shape in module.checkpoint_shapes(name).items():
+                tensors[ckpt_name] = (shape, lambda t, n=ckpt_name, m=module: m.weight_loader(n, t))
         else:
-            for pname, _ in module.named_parameters(recurse=False):
-                loaders[f"{name}.{pname}" if name else pname] = (
-                    lambda t, m=module, a=pname: setattr(m, a, nn.Parameter(t, requires_grad=False)))
-    return loaders
+            for pname, p in module.named_parameters(recurse=False):
+                tensors[f"{name}.{pname}" if name else pname] = (
+                    tuple(p.shape), lambda t, m=module, a=pname: setattr(m, a, nn.Parameter(t, requires_grad=False)))
+    return tensors
 
 
 def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
@@ -67,13 +59,13 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     # mtp_num_hidden_layers 0 says there is no head: any mtp.* tensors are then left unread.
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method)
-    weights = load_weights(folder, cfg, checkpoint_shapes(model), torch_dtype)
+    tensors = _checkpoint_tensors(model)
+    weights = load_weights(folder, cfg, {name: shape for name, (shape, _) in tensors.items()}, torch_dtype)
     if not with_mtp or not any(name.startswith("mtp.") for name in weights):
         weights = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
         model.mtp = None
-    loaders = _loaders(model)
     for name, tensor in weights.items():
-        loaders[name](tensor.to(device))
+        tensors[name][1](tensor.to(device))
     if cfg.tie_word_embeddings:
         model.lm_head.weight_loader("lm_head.weight", model.embed_tokens.weight)
     model.process_weights_after_loading()

@@ -204,8 +204,6 @@ class CpuLinearMethod(LinearMethod):
     few_rows_copy: as `choose_projection` takes them (compiled steps: onednn=False, inductor
     packs its own)."""
 
-    name = "cpu"
-
     def __init__(self, onednn: bool = True, few_rows_copy: bool = True):
         self.onednn, self.few_rows_copy = onednn, few_rows_copy
 
