@@ -142,8 +142,10 @@ def benchmark(budget: Budget, results: dict) -> None:
     llm = make_llm(folder, None)
     engine = llm.engine
     results["engine_start_s"] = time.monotonic() - t0
-    graphs = engine.runner.decode_graphs
-    results["cuda_graphs"] = "off" if graphs is None else f"on, batch buckets {graphs.graphs[1].buckets}"
+    from hybrid_engine.cuda_graph_steps import CudaGraphSteps
+    graphs = engine.runner.execution
+    results["cuda_graphs"] = (f"on, batch buckets {graphs.buckets}" if isinstance(graphs, CudaGraphSteps)
+                              else "off")
     main = [p for n, p in engine.model.named_parameters() if not n.startswith("mtp.")]
     weight_bytes = sum(p.numel() * p.element_size() for p in main)
     results["weight_bytes"] = weight_bytes

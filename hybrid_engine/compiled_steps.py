@@ -43,7 +43,10 @@ from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
+from .draft_inputs import DraftInputs
 from .graph_replay import GraphReplay
+from .model_runner import EagerSteps
+from .step_inputs import StepInputs
 
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
@@ -54,14 +57,13 @@ warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functoo
 MTP_REPLAYS = 8
 
 
-class CompiledSteps:
-    def __init__(self, model: HybridForCausalLM):
-        self.model = model
+class CompiledSteps(EagerSteps):
+    def __init__(self, model: HybridForCausalLM, cache: LayerCaches):
+        super().__init__(model, cache)
         # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: kernels/cpu/projection.py),
         # inductor's freezing packs them (weights become constants of the graph, packed once;
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
         # would pack for a slower GEMV and double the weights, so it is off there.
-        # Set by the backend, which runs only when a graph is compiled.
         weights = model.norm.weight                 # the model's device and dtype (never freed)
         freeze = weights.device.type == "cpu" and onednn_packs(weights.dtype)
         options = {"guard_filter_fn": _engine_guards}
@@ -71,28 +73,24 @@ class CompiledSteps:
         # as the tensors _inductor's C++ wrapper would make of them at every call.
         self._decode_replay = GraphReplay(ints_as_tensors=True)
         self._decode = _compile(self._decode_forward, self._decode_replay.backend(backend), options)
-        has_mtp = model.mtp is not None
-        # Drafting after a verify of the same length is replayed too: its inputs are staged in
-        # buffers of this object's own (the tokens, hidden rows and row indices otherwise come
-        # in new tensors at every step), its batch and tables are the builder's views.
+        # Drafting after a verify of the same length is replayed too: its inputs lie in the
+        # drafting builder's buffers (hybrid_engine/draft_inputs.py).
         self._mtp_replay = GraphReplay(ints_as_tensors=True, keep=MTP_REPLAYS)
+        has_mtp = model.mtp is not None
         self._mtp = _compile(self._mtp_drafting, self._mtp_replay.backend(backend), options) if has_mtp else None
-        self._mtp_staging = _Staging()
-        self._last_mtp: list[tuple[tuple, tuple]] = []     # run_mtp's latest inputs and their traceable form
+        self._last_mtp: list[tuple[tuple, tuple]] = []     # the latest drafting inputs and their traceable form
         self._mtp_continued = _compile(self._mtp_draft_passes, backend, options) if has_mtp else None
-        # run(): the last batch it was given and its traceable form
+        # forward(): the last batch it was given and its traceable form
         self._last_batch: ForwardBatch | None = None
         self._last_ids: torch.Tensor | None = None
         self._last_traceable: ForwardBatch | None = None
 
-    @staticmethod
-    def handles(batch: ForwardBatch) -> bool:
-        return batch.num_prefill_tokens == 0
-
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode or verify step -> (final-normed hidden [T, H], float32 logits of the
-        batch's logits_indices rows), as ModelRunner.forward returns them."""
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode or verify step compiled (prefill and mixed steps eager) -> (final-normed
+        hidden [T, H], float32 logits of the batch's logits_indices rows)."""
+        input_ids, batch = inputs.input_ids, inputs.batch
+        if batch.num_prefill_tokens:
+            return super().forward(inputs)
         if batch is not self._last_batch or input_ids is not self._last_ids:
             # A plain decode step of the builder's steady state is the last step's ForwardBatch
             # object again, its tensors (and their dynamic marks) the same: prepared once. A
@@ -107,38 +105,32 @@ class CompiledSteps:
                 _mark_dynamic(input_ids, self._last_traceable)
             self._last_batch = batch
             input_ids = self._last_ids
-        return self._decode_replay.call(self._decode, input_ids, self._last_traceable, caches)
+        return self._decode_replay.call(self._decode, input_ids, self._last_traceable, self.cache)
 
-    def run_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
-                tables: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor, passes: DraftPasses) -> torch.Tensor:
-        """A step's MTP drafting, the catch-up pass over segments of one length and the k-1
-        draft passes after it (spec_decode/draft_passes.py), as one graph -> the drafts [D, k]."""
-        stage = self._mtp_staging.stage
-        inputs = (stage("tokens", tokens), stage("hidden", hidden), batch, tables, stage("rows", rows),
-                  stage("seqs", seqs))
+    def draft(self, d: DraftInputs, passes: DraftPasses) -> torch.Tensor:
+        """A decode-sized catch-up and its k-1 draft passes as one graph; after a prompt's
+        catch-up (its length changes every time), which stays eager, the draft passes alone."""
+        if not d.one_length:
+            h, draft = passes.catch_up(self.model, d.tokens, d.hidden, d.batch, self.cache, d.rows)
+            last, tables = d.batch.positions[d.rows], d.tables[d.seqs]
+            for t in (draft, h, last, tables):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(tables, 1)
+            return self._mtp_continued(draft, h, last, tables, d.batch.kernels, self.cache, passes)
+        inputs = (d.tokens, d.hidden, d.batch, d.tables, d.rows, d.seqs)
         seen = next((i for i, (earlier, _) in enumerate(self._last_mtp) if same_views(inputs, earlier)), None)
         if seen is not None:
             traced = self._last_mtp.pop(seen)[1]
         else:
-            tokens, hidden, batch, tables, rows, seqs = traced = (*inputs[:2], _traceable(batch), *inputs[3:])
+            tokens, hidden, batch, tables, rows, seqs = traced = (*inputs[:2], _traceable(d.batch), *inputs[3:])
             _mark_dynamic(tokens, batch)
             torch._dynamo.maybe_mark_dynamic(hidden, 0)
             for t in (tables, rows, seqs):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
         self._last_mtp = [(inputs, traced), *self._last_mtp][:MTP_REPLAYS]
-        tokens, hidden, batch, tables, rows, seqs = traced
-        (drafts,) = self._mtp_replay.call(self._mtp, tokens, hidden, batch, caches, tables, rows, seqs, passes)
+        (drafts,) = self._mtp_replay.call(self._mtp, *traced[:3], self.cache, *traced[3:], passes)
         return drafts
-
-    def run_draft_passes(self, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
-                         kernels: KernelBackend, caches: LayerCaches, passes: DraftPasses) -> torch.Tensor:
-        """Draft passes 2..k after an eager catch-up (DraftPasses.continued) as one graph ->
-        the drafts [D, k]."""
-        for t in (draft, h, last, tables):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(tables, 1)
-        return self._mtp_continued(draft, h, last, tables, kernels, caches, passes)
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,22 +212,6 @@ def _inductor(freeze: bool):
               compiler_config.patch(cache_key_tag=tag)):
             return compile_fx(graph, example_inputs)
     return backend
-
-
-class _Staging:
-    """Persistent buffers that a compiled call's inputs are copied into, so that the same inputs
-    at the next call are views of the same memory (`same_views`). A buffer grows (and moves)
-    only for an input larger than any before it."""
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if (buf is None or buf.shape[0] < t.shape[0] or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype
-                or buf.device != t.device):
-            buf = self._buffers[name] = t.new_empty((max(t.shape[0], 16), *t.shape[1:]))
-        return buf[:t.shape[0]].copy_(t)
 
 
 def same_views(a, b) -> bool:

@@ -25,8 +25,9 @@ from hybrid_engine.models import load_model
 from .cache_sizing import DEFAULT_KV_TOKENS_PER_SEQ, build_cache, cache_spec_for
 from .config import EngineConfig
 from .compiled_steps import CompiledSteps
-from .decode_graphs import DecodeGraphs, default_buckets, graphs_supported
-from .model_runner import ModelRunner
+from .cuda_graph_steps import CudaGraphSteps, default_buckets, graphs_supported
+from .draft_inputs import DraftInputBuilder
+from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
 from .prefix_caching import PrefixCaching
 from .request import Request
@@ -133,10 +134,11 @@ class LLMEngine:
         self.builder = StepInputBuilder(config.max_num_batched_tokens, config.max_num_seqs,
                                         max_blocks_per_seq, config.block_size, k, config.device,
                                         self._keyless_query_lens(), self._recurrent_prefill(), self.kernels)
-        graphs = self._decode_graphs()
-        compiled = CompiledSteps(self.model) if config.enable_torch_compile and graphs is None else None
-        self.runner = ModelRunner(self.model, self.cache, graphs, compiled)
-        self.drafter = MTPDrafter(self.model, self.cache, k, self.builder, compiled) if k else None
+        drafts = (DraftInputBuilder(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
+                                    config.block_size, k, config.device, self.builder.keyless_query_lens,
+                                    self.kernels) if k else None)
+        self.runner = ModelRunner(self._execution(), drafts)
+        self.drafter = MTPDrafter(self.runner, self.cache) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats, self.prefix)
         self.sampler = Sampler()
@@ -183,19 +185,22 @@ class LLMEngine:
             self.kernels.gdn_decode_serves_prefill(conv, state, self.model_config.linear_conv_kernel_dim, conv.dtype)
             for conv, state in zip(cache.conv_states, cache.recurrent_states))
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for decode (and verify) steps, unless enforce_eager or not capturable:
-        graphs need CUDA tensors, the triton backend (the torch ops read lengths back to the
-        host) and a dense model (MoE routing reads expert counts back)."""
-        cfg = self.config
-        if cfg.enforce_eager or torch.device(cfg.device).type != "cuda" or not graphs_supported(self.model):
-            return None
-        if self.builder.kernels.name != "triton":
-            return None
-        buckets = cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs)
-        k = self.num_speculative_tokens
-        return DecodeGraphs(self.model, self.cache, self.builder, [1, 1 + k] if k else [1], buckets,
-                            capture=True)
+    def _execution(self) -> EagerSteps:
+        """How the runner runs steps (hybrid_engine/model_runner.py): CUDA graphs for decode and
+        verify steps unless enforce_eager or not capturable (graphs need CUDA tensors, the triton
+        backend (the torch ops read lengths back to the host) and a dense model (MoE routing
+        reads expert counts back)); else torch.compile where asked; else eagerly."""
+        cfg, k = self.config, self.num_speculative_tokens
+        if (not cfg.enforce_eager and torch.device(cfg.device).type == "cuda" and graphs_supported(self.model)
+                and self.kernels.name == "triton"):
+            graphs = CudaGraphSteps(self.model, self.cache, self.builder, [1, 1 + k] if k else [1],
+                                    cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs), capture=True)
+            with torch.inference_mode():
+                graphs.capture()
+            return graphs
+        if cfg.enable_torch_compile:
+            return CompiledSteps(self.model, self.cache)
+        return EagerSteps(self.model, self.cache)
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:

@@ -1,40 +1,68 @@
-"""Runs one forward over a packed mixed batch and returns logits for the rows that sample."""
+"""One model runner: a step's inputs -> forward -> logits, and a step's MTP drafting.
+
+The runner packs nothing itself and decides nothing about a step: the step builder
+(step_inputs.py) and the drafting builder (draft_inputs.py) pack into their persistent
+buffers, and one execution strategy, chosen once per engine, runs what they packed:
+
+- `EagerSteps` (here): plain torch calls. The reference, and what the others fall back to
+  for the steps they do not serve;
+- `CompiledSteps` (compiled_steps.py, enable_torch_compile): decode and verify steps and
+  decode-sized drafting through torch.compile, the steady state's calls replayed;
+- `CudaGraphSteps` (cuda_graph_steps.py, CUDA with the triton backend): decode and verify
+  steps of a captured batch size replay a CUDA graph.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from hybrid_engine.models import HybridForCausalLM
+from hybrid_engine.spec_decode.draft_passes import DraftPasses
 from hybrid_engine.state_cache import HybridCacheManager
 
-from .compiled_steps import CompiledSteps
-from .decode_graphs import DecodeGraphs
+from .draft_inputs import DraftInputBuilder, DraftInputs
 from .step_inputs import StepInputs
 
 
-class ModelRunner:
-    """decode_graphs: when given (CUDA, hybrid_engine/decode_graphs.py), pure decode and
-    verify steps of a captured batch size replay a graph. compiled: when given
-    (hybrid_engine/compiled_steps.py), pure decode and verify steps run torch.compile'd.
-    Every other step runs eagerly."""
-
-    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager,
-                 decode_graphs: DecodeGraphs | None = None, compiled: CompiledSteps | None = None):
+class EagerSteps:
+    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager):
         self.model = model
         self.cache = cache
-        self.decode_graphs = decode_graphs
-        self.compiled = compiled
-        if decode_graphs is not None:
-            with torch.inference_mode():
-                decode_graphs.capture()
+
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_step(inputs.input_ids, inputs.batch, self.cache)
+
+    def draft(self, d: DraftInputs, passes: DraftPasses) -> torch.Tensor:
+        return passes(self.model, d.tokens, d.hidden, d.batch, self.cache, d.tables, d.rows, d.seqs)
+
+    def catch_up(self, d: DraftInputs) -> None:
+        """A catch-up pass from which no request drafts: the MTP KV only."""
+        self.model.mtp_forward(d.tokens, d.hidden, d.batch, self.cache)
+
+
+class ModelRunner:
+    def __init__(self, execution: EagerSteps, drafts: DraftInputBuilder | None = None):
+        self.execution = execution
+        self.drafts = drafts
+        self.passes = (DraftPasses(drafts.k, drafts.block_size, 1 in drafts.keyless_query_lens)
+                       if drafts is not None else None)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final-normed hidden [T, H] for the MTP drafter, float32 logits [rows, vocab]);
-        lm_head runs only on the rows that sample. With graphs, both are views of the graph's
-        static outputs: consumed within the step."""
-        if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
-            return self.decode_graphs.run(inputs)
-        if self.compiled is not None and self.compiled.handles(inputs.batch):
-            return self.compiled.run(inputs.input_ids, inputs.batch, self.cache)
-        return self.model.forward_step(inputs.input_ids, inputs.batch, self.cache)
+        lm_head runs only on the rows that sample. Under CUDA graphs both are views of the
+        graph's static outputs: consumed within the step."""
+        return self.execution.forward(inputs)
+
+    @torch.inference_mode()
+    def draft(self, segs: list[tuple[int, int, list[int]]], tokens: list[int], hidden: torch.Tensor,
+              drafting: list[int]) -> torch.Tensor | None:
+        """The MTP layer over segments (start, length, block table) with their next tokens and
+        the target's hidden rows, then k drafts from the end of each segment in `drafting`
+        -> the drafts [len(drafting), k], or None where none drafts."""
+        lookahead = self.passes.num_drafts - 1 if drafting else 0
+        inputs = self.drafts.build(segs, tokens, hidden, drafting, lookahead)
+        if not drafting:
+            self.execution.catch_up(inputs)
+            return None
+        return self.execution.draft(inputs, self.passes)

@@ -1,8 +1,7 @@
 """Packs a ScheduledBatch into the model's inputs, in buffers allocated once (seed 002).
 
-Every tensor a forward reads lives in a persistent buffer sized at start-up for the largest
-step; a step writes its values in place and hands the model views of the used prefix, so a
-GPU step can later be a captured graph with fixed addresses.
+Every tensor a forward reads lives in a persistent buffer (packed_buffers.py): a step writes
+its values in place and hands the model views of the used prefix.
 
 Segments are packed prefills first, then decodes. A decode is one token, or with
 speculation 1 + k tokens: [last token, d1..dk]; its GDN state after position j is written
@@ -22,8 +21,8 @@ so that most block boundaries keep the step's batch object too.
 
 The step's facts that layers would otherwise derive in every layer, with reads back to the
 host (ForwardBatch.attention, .decode_rows, .chunks), are computed here once, from the lists
-the step is packed from. The MTP drafter's passes (`build_mtp`) are packed into the same
-buffers.
+the step is packed from. The MTP drafter's passes are packed into buffers of their own
+(hybrid_engine/draft_inputs.py), so drafting never disturbs the steady state.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from hybrid_engine.kernels import KernelBackend, torch_backend
@@ -43,6 +41,7 @@ from hybrid_engine.models import ForwardBatch
 from hybrid_engine.models.batch import GdnCaptures, PrefillPiece, RecurrentPrefill
 from hybrid_engine.state_cache import HybridCacheManager, kv_slots
 
+from .packed_buffers import PackedBuffers
 from .request import Request
 from .scheduler import ScheduledBatch
 
@@ -68,7 +67,7 @@ class StepInputs:
     sample_spans: list[tuple[Segment, int, int]]
 
 
-class StepInputBuilder:
+class StepInputBuilder(PackedBuffers):
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, num_speculative_tokens: int = 0, device: torch.device | str = "cpu",
                  keyless_query_lens: frozenset[int] = frozenset(), recurrent_prefill: bool = False,
@@ -103,12 +102,7 @@ class StepInputBuilder:
         self.has_initial_state = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
         self.state_write_slots = torch.zeros(max_num_seqs, 1 + self.k, **i64)
         self.logits_indices = torch.zeros(max_num_tokens, **i64)
-        # Numpy views of the buffers where they are host memory (CPU), None elsewhere: a step's
-        # host values are written through them (`_put`, the steady state's add), about 1 us an
-        # assignment where a tensor made of the list and its copy cost 5 and an add 4
-        # (2026-12-03, Zen 3), ten times a step.
-        self._host = ({name: getattr(self, name).numpy() for name in _BUFFERS} if torch.device(device).type == "cpu"
-                      else None)
+        self._host_views(_BUFFERS, device)     # `_put` writes through them, and the steady state's add
         self._last_decode: _SteadyDecode | None = None   # the last step, if it was plain decode only
 
     def build(self, sched: ScheduledBatch, cache: HybridCacheManager) -> StepInputs:
@@ -283,41 +277,6 @@ class StepInputBuilder:
         )
         return StepInputs(self.input_ids[:t], batch, segments, spans)
 
-    def _put(self, *fields: tuple) -> list[torch.Tensor]:
-        """Writes each field (name, values) or (name, values, columns) into the front of buffer
-        `name`: its first len(values) entries, or for a 2-D buffer the first `columns` of its
-        first len(values) // columns rows, row by row. On CPU through the numpy views; elsewhere
-        all fields in one host-to-device conversion (each costs more than a copy). -> the views
-        written, in order."""
-        views, flat = [], []
-        for name, values, *columns in fields:
-            buffer = getattr(self, name)
-            view = buffer[:len(values) // columns[0], :columns[0]] if columns else buffer[:len(values)]
-            views.append(view)
-            if self._host is None:
-                flat.extend(values)
-            elif columns:
-                self._host[name][:view.shape[0], :columns[0]] = np.array(values, dtype=self._host[name].dtype
-                                                                         ).reshape(view.shape)
-            else:
-                self._host[name][:len(values)] = values
-        if self._host is None:
-            parts = torch.tensor(flat, dtype=torch.int64).to(self.input_ids.device).split([v.numel() for v in views])
-            for view, part in zip(views, parts):
-                view.copy_(part.view(view.shape))        # casts where the buffer is not int64
-        return views
-
-    def _table_width(self, blocks: int, keyless: bool) -> int:
-        """The block-table columns of a step whose longest table has `blocks` blocks. Where the
-        attention reads no keys, the next power of two (at most the buffer's width): the native
-        kernel reads a sequence's own blocks only, so the padding costs nothing, and a steady
-        decode then widens its table, and so changes its batch object (a compiled step's replay
-        misses: graph_replay.py), at a handful of block boundaries instead of at every one.
-        Otherwise exactly `blocks`: paged keys are as wide as the table."""
-        if not keyless:
-            return blocks
-        return min(1 << (max(blocks, 1) - 1).bit_length(), self.block_tables.shape[1])
-
     def _recurrent_prefill(self, prefills: list[Segment], cache: HybridCacheManager) -> RecurrentPrefill:
         """The prefill segments cut into pieces at their captures (in the order of _gdn_captures),
         with all of their slots in one tensor."""
@@ -349,46 +308,6 @@ class StepInputBuilder:
             return None
         seqs, ends, entries = torch.tensor(caps, dtype=torch.int64, device=self.positions.device).unbind(1)
         return GdnCaptures(seqs=seqs, ends=ends, entries=entries)
-
-    def build_mtp(self, segs: list[tuple[int, int, list[int]]], lookahead: int) -> tuple[ForwardBatch, torch.Tensor]:
-        """An MTP catch-up pass (spec_decode/mtp_drafter.py) over segments (start, length, block
-        table) into the same buffers: positions, KV slots, lengths and the blocks attention
-        reads -> (its batch, the segments' block tables covering `lookahead` positions past
-        each segment too: the draft passes after it read their blocks there, spec_decode/
-        draft_passes.py). The catch-up's own attention reads the narrower view: the same
-        blocks as without lookahead, so the same result to the last bit. The MTP layer is full
-        attention only: the GDN fields stay empty. The next `build` packs from scratch (the
-        steady state's buffers are overwritten here)."""
-        self._last_decode = None
-        bs = self.block_size
-        positions, slots, cu, seq_lens, tables = [], [], [0], [], []
-        for start, n, table in segs:
-            positions.extend(range(start, start + n))
-            slots.extend(kv_slots(table, start, start + n, bs))
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(table[:(start + n + lookahead + bs - 1) // bs])
-        t, n_seq = len(positions), len(segs)
-        # The draft passes read `tables_ahead` (one query each), the catch-up `bt`: each as wide
-        # as its attention needs, or bucketed where it reads no keys (`_table_width`).
-        keyless = self.keyless_query_lens
-        width = self._table_width(max(len(tb) for tb in tables), reads_no_keys([1], keyless))
-        read_width = min(width, self._table_width((max(seq_lens) + bs - 1) // bs,
-                                                  reads_no_keys([n for _, n, _ in segs], keyless)))
-        padded = [b for tb in tables for b in tb + [0] * (width - len(tb))]
-        tables_ahead = self._put(("block_tables", padded, width), ("positions", positions), ("slot_mapping", slots),
-                                 ("cu_seqlens", cu), ("seq_lens", seq_lens))[0]
-        bt = tables_ahead[:, :read_width]
-        no_slots = self.state_slots[:0]
-        return ForwardBatch(
-            positions=self.positions[:t], cu_seqlens=self.cu_seqlens[:n_seq + 1],
-            seq_lens=self.seq_lens[:n_seq], slot_mapping=self.slot_mapping[:t], block_tables=bt,
-            state_slots=no_slots, has_initial_state=self.has_initial_state[:0],
-            state_write_slots=self.state_write_slots[:0, :1], logits_indices=self.logits_indices[:0],
-            num_prefills=n_seq, num_prefill_tokens=t, decode_len=1, kernels=self.kernels,
-            attention=attention_layout(bt, self.seq_lens[:n_seq], [n for _, n, _ in segs], bs, slots_valid=True,
-                                       keyless=self.keyless_query_lens),
-            decode_rows=None, chunks=None), tables_ahead
 
 
 # The builder's buffers, by attribute name (StepInputBuilder._put writes them).

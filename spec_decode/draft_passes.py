@@ -5,7 +5,7 @@ state at position p + j, where p is the position of its last committed token (th
 row it drafts from). Its metadata is the catch-up pass's, moved on: the same block tables,
 positions p + j, KV slots block_table[pos // block_size] * block_size + pos % block_size
 (state_cache.kv_slots), lengths p + j + 1. It is computed here in torch from the catch-up
-batch's tensors (its block tables packed wider: StepInputBuilder.build_mtp's lookahead)
+batch's tensors (its block tables packed wider: DraftInputBuilder.build's lookahead)
 rather than packed on the host for every pass, so that the whole of
 drafting is one call: one graph (one dynamo entry) when compiled, and no host packing between
 the passes when eager. The eager and compiled forms run this same code.
@@ -68,7 +68,7 @@ class DraftPasses:
                      kernels: KernelBackend, dtype: torch.dtype
                      ) -> list[tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]]]:
         """Passes 2..k of the drafting requests at positions `last` [D] over `tables` [D, W]:
-        for pass j a one-token pass of each at last + j (what StepInputBuilder.build_mtp packs
+        for pass j a one-token pass of each at last + j (what DraftInputBuilder.build packs
         for segments (last + j, 1, table)), with its RoPE tables in `dtype`."""
         if self.num_drafts < 2:
             return []

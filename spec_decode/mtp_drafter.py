@@ -20,12 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid_engine.models import ForwardBatch, HybridForCausalLM
-from hybrid_engine.spec_decode.draft_passes import DraftPasses
 from hybrid_engine.state_cache import HybridCacheManager
 
 if TYPE_CHECKING:
-    from hybrid_engine.step_inputs import StepInputBuilder
+    from hybrid_engine.model_runner import ModelRunner
     from hybrid_engine.step_update import SegmentResult
 
 
@@ -39,61 +37,23 @@ class CatchUp:
 
 
 class MTPDrafter:
-    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager, num_speculative_tokens: int,
-                 builder: StepInputBuilder, compiled=None):
-        if model.mtp is None:
-            raise ValueError("speculative decoding with method 'mtp' needs a checkpoint with mtp.* "
-                             "weights; this one has none")
-        self.model = model
+    def __init__(self, runner: ModelRunner, cache: HybridCacheManager):
+        self.runner = runner        # packs the passes into its drafting buffers and runs them
         self.cache = cache
-        self.k = num_speculative_tokens
-        self.builder = builder          # packs the passes into the step inputs' buffers
-        self.compiled = compiled        # hybrid_engine.compiled_steps.CompiledSteps or None
-        self.passes = DraftPasses(num_speculative_tokens, builder.block_size, 1 in builder.keyless_query_lens)
-        self.device = model.norm.weight.device
 
-    @torch.inference_mode()
     def run(self, catchups: list[CatchUp]) -> dict[str, list[int]]:
         """Advances the MTP KV; returns request id -> k drafts for each catch-up with draft=True.
         The drafts go into the step's output (hybrid_engine/step_update.py), which hands them
         to the request for its next verify; the drafter itself changes no request."""
         if not catchups:
             return {}
-        segs = [(c.request_id, c.start, len(c.next_tokens)) for c in catchups]
-        tokens = self._tensor([t for c in catchups for t in c.next_tokens])
+        segs = [(c.start, len(c.next_tokens), self.cache.get(c.request_id).block_table) for c in catchups]
         hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
         drafting = [i for i, c in enumerate(catchups) if c.draft]
-        if not drafting:
-            self.model.mtp_forward(tokens, hidden, self._batch(segs, 0)[0], self.cache)
+        drafts = self.runner.draft(segs, [t for c in catchups for t in c.next_tokens], hidden, drafting)
+        if drafts is None:
             return {}
-        # Block tables that also cover the k-1 draft positions after the catch-up.
-        batch, tables = self._batch(segs, self.k - 1)
-        ends = segs_end_rows(segs)
-        rows, seqs = self._tensor([ends[i] for i in drafting] + drafting).split(len(drafting))
-        n = segs[0][2]
-        if self.compiled is None:
-            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, tables, rows, seqs)
-        elif n <= self.k + 1 and all(m == n for _, _, m in segs):
-            # A decode-sized catch-up of segments of one length (attention needs no per-length
-            # split): all of drafting in one graph.
-            drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache, tables, rows, seqs, self.passes)
-        else:
-            # A prompt's catch-up (its length changes every time) stays eager; the draft
-            # passes after it are one graph.
-            h, draft = self.passes.catch_up(self.model, tokens, hidden, batch, self.cache, rows)
-            drafts = self.compiled.run_draft_passes(draft, h, batch.positions[rows], tables[seqs], batch.kernels,
-                                                    self.cache, self.passes)
         return dict(zip([catchups[i].request_id for i in drafting], drafts.tolist()))
-
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def _batch(self, segs: list[tuple[str, int, int]], lookahead: int) -> tuple[ForwardBatch, torch.Tensor]:
-        """The catch-up pass's metadata, packed by the step-input builder into its own buffers,
-        and block tables covering `lookahead` positions more."""
-        return self.builder.build_mtp([(start, n, self.cache.get(rid).block_table) for rid, start, n in segs],
-                                      lookahead)
-
 
 
 def catch_up(result: SegmentResult, hidden: torch.Tensor, cache: HybridCacheManager, max_model_len: int,
@@ -115,11 +75,3 @@ def catch_up(result: SegmentResult, hidden: torch.Tensor, cache: HybridCacheMana
         start, n, rows = start - 1, n + 1, torch.cat([hit_hidden[None].to(rows.dtype), rows])
     next_tokens = req.token_ids_in(start + 1, start + n + 1 - len(emitted)) + emitted
     return CatchUp(req.request_id, start, next_tokens, rows, draft=seg.samples and not finishing)
-
-
-def segs_end_rows(segs: list[tuple[str, int, int]]) -> list[int]:
-    rows, total = [], 0
-    for _, _, n in segs:
-        total += n
-        rows.append(total - 1)
-    return rows

@@ -21,7 +21,7 @@ blocks past its committed length stay with it while it runs: the next step's dra
 verify reuse them instead of giving them back and taking them again.
 
 One extra slot, `pad_slot`, belongs to no request: the padding rows of a CUDA-graph decode
-step (hybrid_engine/decode_graphs.py) read it and write nowhere, so a padded row can never
+step (hybrid_engine/cuda_graph_steps.py) read it and write nowhere, so a padded row can never
 race a real row for a state. It is part of the pools and of the byte budget.
 
 Prefix caching (state_cache/prefix_blocks.py, state_cache/checkpoints.py): a request's

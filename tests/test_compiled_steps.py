@@ -30,25 +30,23 @@ def _engine(ckpt, k: int, compiled: bool) -> LLMEngine:
 
 
 class _Counted:
-    """Counts the calls that went through the compiled functions, by batch size."""
+    """Counts the steps and drafting calls that went through the compiled functions, by batch size."""
 
     def __init__(self, compiled: CompiledSteps):
         self.decode, self.mtp, self.draft_passes = [], [], []
-        run, run_mtp, run_draft_passes = compiled.run, compiled.run_mtp, compiled.run_draft_passes
+        forward, draft = compiled.forward, compiled.draft
 
-        def counted_run(input_ids, batch, caches):
-            self.decode.append((batch.decode_len, batch.num_decodes))
-            return run(input_ids, batch, caches)
+        def counted_forward(inputs):
+            b = inputs.batch
+            if not b.num_prefill_tokens:
+                self.decode.append((b.decode_len, b.num_decodes))
+            return forward(inputs)
 
-        def counted_mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes):
-            self.mtp.append(batch.seq_lens.numel())
-            return run_mtp(tokens, hidden, batch, caches, tables, rows, seqs, passes)
+        def counted_draft(d, passes):
+            (self.mtp if d.one_length else self.draft_passes).append(d.rows.numel())
+            return draft(d, passes)
 
-        def counted_draft_passes(draft, h, last, tables, kernels, caches, passes):
-            self.draft_passes.append(draft.numel())
-            return run_draft_passes(draft, h, last, tables, kernels, caches, passes)
-
-        compiled.run, compiled.run_mtp, compiled.run_draft_passes = counted_run, counted_mtp, counted_draft_passes
+        compiled.forward, compiled.draft = counted_forward, counted_draft
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +69,8 @@ def _unique_graphs() -> int:
 @pytest.mark.parametrize("k", [0, 2])
 def test_compiled_steps_match_eager(ckpt, eager_runs, k):
     engine = _engine(ckpt, k, True)
-    assert engine.runner.compiled is not None
-    counted = _Counted(engine.runner.compiled)
+    assert isinstance(engine.runner.execution, CompiledSteps)
+    counted = _Counted(engine.runner.execution)
     # Where attention takes PagedKeys (level none), drafting's keyed graphs also specialize on
     # catch-up lengths of 1 (dynamo's 0/1 specialization), which the second workload may meet
     # first; there the repeat of that workload must compile nothing.
@@ -110,16 +108,17 @@ def test_steady_decode_replays_its_graph(ckpt, eager_runs):
     (hybrid_engine/graph_replay.py); steps of another batch size, a wider block table or a
     repacked batch go through dynamo; every token and logprob is the eager engine's."""
     engine = _engine(ckpt, 0, True)
-    compiled = engine.runner.compiled
+    compiled = engine.runner.execution
     calls, last = [], [None]
-    run = compiled.run
+    forward = compiled.forward
 
-    def watched(input_ids, batch, caches):
-        calls.append(batch is last[0])
-        last[0] = batch
-        return run(input_ids, batch, caches)
+    def watched(inputs):
+        if not inputs.batch.num_prefill_tokens:
+            calls.append(inputs.batch is last[0])
+            last[0] = inputs.batch
+        return forward(inputs)
 
-    compiled.run = watched
+    compiled.forward = watched
     replay = compiled._decode_replay
     outs = run_staggered(engine, *staggered_workload(0, logprobs=0))
     ref = eager_runs[(0, 0)]
@@ -180,7 +179,7 @@ def test_verify_steps_and_their_drafting_replay(ckpt):
     want = run_staggered(_engine(ckpt, 2, False), [prompt], params, [0])[0]
     plain = run_staggered(_engine(ckpt, 0, False), [prompt], params, [0])[0]
     assert got.token_ids == want.token_ids == plain.token_ids
-    compiled = engine.runner.compiled
+    compiled = engine.runner.execution
     keyless = _keyless(engine, 2)
     assert (compiled._decode_replay.replays > 0) == keyless
     assert (compiled._mtp_replay.replays > 0) == keyless

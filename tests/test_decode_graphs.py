@@ -1,6 +1,7 @@
-"""Decode/verify steps through DecodeGraphs' persistent, padded buffers (CUDA-graph path) on
-CPU: the same tokens as plain eager steps, padding rows that write nothing, and the buckets
-and the eager fallback actually used. (Capture itself needs CUDA: tests/triton.)"""
+"""Decode/verify steps through CudaGraphSteps' padded buffers (the CUDA-graph path) on CPU: the
+same tokens as plain eager steps, padding rows that write nothing and hold their pad values
+at every run (never stale rows of a larger batch), and the buckets and the eager fallback
+actually used. (Capture itself needs CUDA: tests/triton.)"""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import pytest
 import torch
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.decode_graphs import DecodeGraphs, default_buckets
-from hybrid_engine.model_runner import ModelRunner
+from hybrid_engine.cuda_graph_steps import CudaGraphSteps, default_buckets
 
 from spec_models import make_spec_checkpoint
 from staggered import run_staggered, staggered_workload
@@ -27,27 +27,39 @@ def _engine(ckpt, k, graphs: bool):
     engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", max_num_seqs=6, block_size=4,
                                     max_num_batched_tokens=64, speculative_config=spec))
     if graphs:
-        engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
-            engine.model, engine.cache, engine.builder, [1, 1 + k], BUCKETS, capture=False))
+        engine.runner.execution = CudaGraphSteps(engine.model, engine.cache, engine.builder, [1, 1 + k], BUCKETS,
+                                                 capture=False)
     return engine
 
 
 class _Checked:
-    """Wraps DecodeGraphs.run: records (tokens per request, batch, bucket) and checks that a
-    padded step changed only the real rows' KV slots and GDN write slots."""
+    """Wraps CudaGraphSteps._step (the padded forward): records (tokens per request, batch,
+    bucket) and checks that a padded step changed only the real rows' KV slots and GDN write
+    slots, and that its padding rows hold their pad values."""
 
-    def __init__(self, graphs: DecodeGraphs, cache):
+    def __init__(self, graphs: CudaGraphSteps, cache):
         self.graphs, self.cache, self.seen = graphs, cache, []
-        self.run = graphs.run
-        graphs.run = self
+        self.forward, self.step = graphs.forward, graphs._step
+        graphs.forward, graphs._step = self, self._padded
 
     def __call__(self, inputs):
-        b = inputs.batch
-        bucket = self.graphs.graphs[b.decode_len].bucket_for(b.num_decodes)
-        self.seen.append((b.decode_len, b.num_decodes, bucket))
+        self.inputs = inputs
+        return self.forward(inputs)
+
+    def _padded(self, L, bucket):
+        b, n, buf = self.inputs.batch, self.inputs.batch.num_decodes, self.graphs.builder
+        self.seen.append((L, n, bucket))
+        pads = {"input_ids": (buf.input_ids[L * n:L * bucket], 0), "positions": (buf.positions[L * n:L * bucket], 0),
+                "slot_mapping": (buf.slot_mapping[L * n:L * bucket], -1), "seq_lens": (buf.seq_lens[n:bucket], L),
+                "block_tables": (buf.block_tables[n:bucket], 0),
+                "state_slots": (buf.state_slots[n:bucket], self.cache.pad_slot),
+                "state_write_slots": (buf.state_write_slots[n:bucket, :L], -1)}
+        for name, (rows, value) in pads.items():
+            assert bool((rows == value).all()), f"padding rows of {name} hold {rows.tolist()}"
+        assert buf.cu_seqlens[:bucket + 1].tolist() == [L * i for i in range(bucket + 1)]
         kv = [t.clone() for t in self.cache.kv_caches]
         states = [t.clone() for t in self.cache.conv_states + self.cache.recurrent_states]
-        out = self.run(inputs)
+        out = self.step(L, bucket)
         written = set(b.state_write_slots.flatten().tolist())
         for before, after in zip(states, self.cache.conv_states + self.cache.recurrent_states):
             changed = (before != after).flatten(1).any(1).nonzero().flatten().tolist()
@@ -66,7 +78,7 @@ def test_padded_graph_steps_match_eager_tokens(ckpt, k):
     prompts, params, arrivals = staggered_workload()
     reference = [o.token_ids for o in run_staggered(_engine(ckpt, k, graphs=False), prompts, params, arrivals)]
     engine = _engine(ckpt, k, graphs=True)
-    checked = _Checked(engine.runner.decode_graphs, engine.cache)
+    checked = _Checked(engine.runner.execution, engine.cache)
     assert [o.token_ids for o in run_staggered(engine, prompts, params, arrivals)] == reference
     used = {(L, bucket) for L, _, bucket in checked.seen}
     assert (1 + k, 2) in used and (1 + k, 4) in used
@@ -77,7 +89,7 @@ def test_padded_graph_steps_match_eager_tokens(ckpt, k):
 
 def test_steps_outside_the_buckets_run_eagerly(ckpt):
     engine = _engine(ckpt, 0, graphs=True)
-    checked = _Checked(engine.runner.decode_graphs, engine.cache)
+    checked = _Checked(engine.runner.execution, engine.cache)
     for i in range(6):                                  # 6 decodes > the largest bucket (4)
         engine.add_request([i + 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     engine.step()                                       # prefill: eager

@@ -1,6 +1,6 @@
 """spec_decode/draft_passes.py: a step's drafting as one call (the catch-up pass, then k-1
 passes whose metadata is derived in torch) proposes the drafts, and writes the MTP KV, of
-drafting pass by pass with every pass packed on the host (StepInputBuilder.build_mtp)."""
+drafting pass by pass with every pass packed on the host (DraftInputBuilder.build)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.spec_decode.mtp_drafter import segs_end_rows
 
 from spec_models import make_spec_checkpoint
 from staggered import run_staggered
@@ -26,22 +25,26 @@ def ckpt(tmp_path_factory):
 
 def per_pass_drafts(engine, catchups) -> dict[str, list[int]]:
     """The reference: each pass packed by the builder from host lists, one pass at a time."""
-    model, cache, builder = engine.model, engine.cache, engine.builder
+    model, cache, builder = engine.model, engine.cache, engine.runner.drafts
+
+    def packed(segs, tokens, hidden):
+        return builder.build(segs, tokens.tolist(), hidden, [], 0).batch
+
     table = {c.request_id: cache.get(c.request_id).block_table for c in catchups}
     segs = [(c.start, len(c.next_tokens), table[c.request_id]) for c in catchups]
     tokens = torch.tensor([t for c in catchups for t in c.next_tokens])
     hidden = torch.cat([c.hidden for c in catchups])
-    h = model.mtp_forward(tokens, hidden, builder.build_mtp(segs, 0)[0], cache)
+    h = model.mtp_forward(tokens, hidden, packed(segs, tokens, hidden), cache)
     drafting = [i for i, c in enumerate(catchups) if c.draft]
     if not drafting:
         return {}
-    ends = segs_end_rows([(c.request_id, s, n) for c, (s, n, _) in zip(catchups, segs)])
-    h = h[[ends[i] for i in drafting]]
+    ends = torch.tensor([n for _, n, _ in segs]).cumsum(0) - 1
+    h = h[ends[drafting]]
     draft = model.compute_logits(h).max(dim=-1).indices
     drafts = [draft]
     last = [catchups[i].start + len(catchups[i].next_tokens) - 1 for i in drafting]
     for j in range(1, K):
-        batch, _ = builder.build_mtp([(p + j, 1, table[catchups[i].request_id]) for i, p in zip(drafting, last)], 0)
+        batch = packed([(p + j, 1, table[catchups[i].request_id]) for i, p in zip(drafting, last)], draft, h)
         h = model.mtp_forward(draft, h, batch, cache)
         draft = model.compute_logits(h).max(dim=-1).indices
         drafts.append(draft)
@@ -55,8 +58,8 @@ def test_one_call_drafting_equals_pass_by_pass(ckpt, keys):
                                     speculative_config={"method": "mtp", "num_speculative_tokens": K}))
     drafter = engine.drafter
     if keys:     # the draft passes' attention made with PagedKeys, as where no native kernel serves them
-        engine.builder.keyless_query_lens = frozenset()
-        drafter.passes = dataclasses.replace(drafter.passes, keyless=False)
+        engine.runner.drafts.keyless_query_lens = frozenset()
+        engine.runner.passes = dataclasses.replace(engine.runner.passes, keyless=False)
     run, mtp_kv = drafter.run, engine.cache.kv_caches[-1]
     seen = {"calls": 0, "batched": 0, "subset": 0, "new_block": 0}
 

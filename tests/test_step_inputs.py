@@ -3,6 +3,8 @@ earlier never change, and token and KV-slot slices match the per-token definitio
 
 import random
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,9 @@ def _engine(ckpt, keyless=None, **kw):
                                     max_num_batched_tokens=64, **kw))
     if keyless is not None:
         engine.builder.keyless_query_lens = keyless
+        if engine.runner.drafts is not None:       # and the drafter's passes
+            engine.runner.drafts.keyless_query_lens = keyless
+            engine.runner.passes = dataclasses.replace(engine.runner.passes, keyless=1 in keyless)
     return engine
 
 
@@ -176,15 +181,15 @@ def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
     k, tokens, keys_seen = 3, {}, {}
     for keyless in (None, frozenset()):
         engine = _engine(ckpt, keyless, speculative_config={"method": "mtp", "num_speculative_tokens": k})
-        build_mtp = engine.builder.build_mtp
+        build = engine.runner.drafts.build
         seen = keys_seen[keyless] = set()
 
-        def recording(segs, lookahead, build_mtp=build_mtp, seen=seen):
-            batch, tables = build_mtp(segs, lookahead)
+        def recording(segs, *args, build=build, seen=seen):
+            inputs = build(segs, *args)
             if len({n for _, n, _ in segs}) == 1:
-                seen.add((segs[0][1], batch.attention.keys is not None))
-            return batch, tables
-        engine.builder.build_mtp = recording
+                seen.add((segs[0][1], inputs.batch.attention.keys is not None))
+            return inputs
+        engine.runner.drafts.build = recording
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         ids = [engine.add_request([3, 1, 4, 1, 5][:n], params) for n in (2, 5)]
         outs = {}
@@ -225,43 +230,31 @@ def test_earlier_outputs_do_not_change(ckpt):
     assert read_early == (outs[2].token_ids, outs[2].logprobs) == (final.token_ids[:3], final.logprobs[:3])
 
 
-def test_mtp_passes_are_packed_in_the_step_buffers(ckpt):
-    """One input batch: the drafter's catch-up passes read the builder's persistent buffers (no
-    copies of their own), with the facts a pass needs (the MTP layer is attention only)."""
+def test_mtp_passes_are_packed_in_buffers_of_their_own(ckpt):
+    """The drafter's catch-up passes read the drafting builder's persistent buffers (no copies
+    of their own), with the facts a pass needs (the MTP layer is attention only), and never the
+    step builder's: drafting leaves a step's inputs as they were."""
     engine = _engine(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    b, passes = engine.builder, []
-    batch = engine.drafter._batch
+    drafts, step, passes = engine.runner.drafts, engine.builder, []
+    build = drafts.build
+    names = ("positions", "cu_seqlens", "seq_lens", "slot_mapping", "block_tables")
 
-    def recorded(segs, lookahead):
-        out, tables = batch(segs, lookahead)
+    def recorded(segs, tokens, hidden, drafting, lookahead):
+        before = {name: getattr(step, name).clone() for name in names}
+        out = build(segs, tokens, hidden, drafting, lookahead)
         # read now: later steps overwrite the buffers these views show
-        assert out.seq_lens.tolist() == [start + n for _, start, n in segs]
-        passes.append(out)
-        return out, tables
+        assert out.batch.seq_lens.tolist() == [start + n for start, n, _ in segs]
+        assert out.tokens.tolist() == tokens and out.seqs.tolist() == drafting
+        assert all(torch.equal(getattr(step, name), before[name]) for name in names)
+        passes.append(out.batch)
+        return out
 
-    engine.drafter._batch = recorded
+    drafts.build = recorded
     for prompt in ([5, 17, 3, 99, 250, 8], [1, 2, 3]):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     assert len(passes) > 4
     for fb in passes:
-        for name in ("positions", "cu_seqlens", "seq_lens", "slot_mapping", "block_tables"):
-            assert getattr(fb, name).data_ptr() == getattr(b, name).data_ptr(), name
-        assert fb.decode_rows is None and fb.chunks is None and fb.kernels is b.kernels
-
-
-def test_token_ids_in_slices_prompt_then_output():
-    req = Request("r", None, [5, 6, 7], SamplingParams(), [])
-    req.output_token_ids += [8, 9]
-    full = [5, 6, 7, 8, 9]
-    for start in range(len(full) + 1):
-        for end in range(start, len(full) + 1):
-            assert req.token_ids_in(start, end) == full[start:end]
-
-
-def test_kv_slots_follow_the_block_table():
-    table, bs = [7, 2, 9], 4
-    for start in range(12):
-        for end in range(start + 1, 13):
-            assert kv_slots(table, start, end, bs) == [table[p // bs] * bs + p % bs for p in range(start, end)]
+        for name in names:
+            assert getattr(fb, name).data_ptr() == getattr(drafts, name).data_ptr(), name

@@ -39,7 +39,7 @@ out = {k: {"tok_s": statistics.median(r["tok_s"] for r in v), "step_ms": statist
            "forward_ms": statistics.median(r["forward_ms"] for r in v), "runs": v} for k, v in runs.items()}
 for k, v in out.items():
     print(f"{k}: b1 {v['tok_s']:.1f} tok/s, step {v['step_ms']:.3f} ms, forward {v['forward_ms']:.3f} ms  runs {[round(r['tok_s']) for r in v['runs']]}")
-replays = eng["compiled"].runner.compiled._decode_replay.replays
+replays = eng["compiled"].runner.execution._decode_replay.replays
 steps = 64 + 5 * 256
 print(f"compiled: {replays} of {steps} decode steps replayed their graph (hybrid_engine/graph_replay.py)")
 print(f"level {cpu_level()}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")

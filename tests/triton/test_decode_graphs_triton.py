@@ -9,10 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.decode_graphs import DecodeGraphs
+from hybrid_engine.cuda_graph_steps import CudaGraphSteps
 from hybrid_engine.kernels.triton import attention as triton_attention
 from hybrid_engine.kernels.triton import common as triton_common
-from hybrid_engine.model_runner import ModelRunner
 
 PROMPTS = [[5, 17, 3, 99, 250, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 7]]
 MAX_TOKENS = [5, 3, 4]                 # finishing at different steps: batches of 3, 2 and 1
@@ -26,8 +25,10 @@ def _engine(device, k, graphs, backend="triton"):
     engine = LLMEngine(EngineConfig(dtype="float32", device=device, block_size=4, max_num_seqs=4,
                                     speculative_config=spec, enforce_eager=True, kernel_backend=backend))
     if graphs:
-        engine.runner = ModelRunner(engine.model, engine.cache, DecodeGraphs(
-            engine.model, engine.cache, engine.builder, [1, 1 + k], [2, 4], capture=device == "cuda"))
+        engine.runner.execution = graphs = CudaGraphSteps(engine.model, engine.cache, engine.builder, [1, 1 + k],
+                                                          [2, 4], capture=device == "cuda")
+        with torch.inference_mode():
+            graphs.capture()
     return engine
 
 
@@ -47,13 +48,15 @@ def test_graph_path_on_triton_matches_torch(device, k):
     ref = _generate(_engine(device, k, graphs=False, backend="torch"))
     engine = _engine(device, k, graphs=True)
     runs = []
-    run = engine.runner.decode_graphs.run
-    engine.runner.decode_graphs.run = lambda inputs: runs.append(inputs.batch.num_decodes) or run(inputs)
+    graphs = engine.runner.execution
+    forward = graphs.forward
+    graphs.forward = lambda inputs: (runs.append(inputs.batch.num_decodes) if not inputs.batch.num_prefills
+                                     else None) or forward(inputs)
     out = _generate(engine)
     assert out == ref
     assert any(b in (1, 3) for b in runs), f"no padded step among batch sizes {runs}"
     if device == "cuda":
-        assert sorted(engine.runner.decode_graphs.graphs[1].graphs) == [2, 4]
+        assert sorted(bucket for L, bucket in graphs.graphs if L == 1) == [2, 4]
 
 
 class _HostReads(TorchDispatchMode):
@@ -75,13 +78,13 @@ def test_graphed_step_reads_nothing_back_to_the_host(device, k, monkeypatch):
     monkeypatch.setattr(triton_common, "checks_enabled", lambda x: False)
     monkeypatch.setattr(triton_attention, "checks_enabled", lambda x: False)
     engine = _engine(device, k, graphs=True)
-    graphs = engine.runner.decode_graphs.graphs[1 + k]
+    graphs = engine.runner.execution
     for prompt in PROMPTS:
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.step()                                            # prefill (eager)
     if k:
         engine.step()                                        # a first verify fills the buffers
-    views = graphs._pad(4, 0)                                # what capture runs on: all padding
+    graphs._pad(1 + k, 4, 0)                                 # what capture runs on: all padding
     with torch.inference_mode(), _HostReads() as reads:
-        graphs.step(views)
+        graphs._step(1 + k, 4)
     assert reads.ops == [], f"host reads in a graphed step: {reads.ops}"
