@@ -1,9 +1,6 @@
-"""The engine loop: add requests, step, abort.
-
-One step = schedule -> build -> forward -> sample / verify -> draft -> update: the scheduler
-picks the batch and reserves its memory, the builder packs it, the model runs, the sampler
-and verifier turn logits into emitted tokens, the MTP drafter proposes the next drafts, and
-hybrid_engine/step_update.py applies all of it (tokens, stops, commits, frees) in one place.
+"""The engine: its parts wired once (kernels, model, cache, scheduler, runner), and the
+requests' side of it (add, abort, the outputs per caller, a failed step's cleanup). The step
+itself, schedule -> build -> forward -> sample / verify -> draft -> update, is engine_step.py.
 """
 
 from __future__ import annotations
@@ -11,12 +8,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import numbers
 import os
 import random
-import time
-from dataclasses import dataclass
-
 import torch
 
 from hybrid_engine.kernels import make_backend
@@ -27,19 +20,19 @@ from .config import EngineConfig
 from .compiled_steps import CompiledSteps
 from .cuda_graph_steps import CudaGraphSteps, default_buckets, graphs_supported
 from .draft_inputs import DraftInputBuilder
+from .engine_step import EngineStep
 from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
+from .prompt import PreparedPrompt, encode_prompt
 from .prefix_caching import PrefixCaching
 from .request import Request
 from .request_group import AutomaticRequestIds, RequestGroup, check_caller_request_id, sample_request_id
-from .sampler import Sampler
-from .sampling_step import sample_segments
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .step_inputs import StepInputBuilder
-from .step_update import SegmentResult, StepOutput, StepUpdater, request_output, take_text_delta
+from .step_update import StepUpdater, request_output, take_text_delta
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
-from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter, catch_up
+from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -60,17 +53,6 @@ def parse_speculative_config(spec: dict | None) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
         raise ValueError(f"num_speculative_tokens must be an int in 1..8, got {k!r}")
     return k
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A prompt and its sampling params as `LLMEngine.prepare` checked them: validated and
-    tokenized once, the params a private copy, then handed on (LLM -> EngineLoop -> LLMEngine)
-    and never checked again."""
-
-    text: str | None           # the prompt's text (None for a token-id prompt)
-    token_ids: list[int]
-    params: SamplingParams
 
 
 class StepFailedError(RuntimeError):
@@ -141,7 +123,8 @@ class LLMEngine:
         self.drafter = MTPDrafter(self.runner, self.cache) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats, self.prefix)
-        self.sampler = Sampler()
+        self.step_pipeline = EngineStep(self.cache, self.builder, self.runner, self.drafter, self.prefix, self.updater,
+                                        self.max_model_len)
         # The engine's seed reaches every unseeded request as a seed of its own, drawn in
         # arrival order: the same calls give the same samples run to run (vLLM's LLM(seed=...)),
         # whatever else shares their batches.
@@ -205,40 +188,7 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """Validates one prompt (str or list of token ids) -> (text, token ids); ValueError if bad."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:   # the tokenizers would raise a TypeError
-                raise ValueError(f"prompt is not valid text: {e.reason} at character {e.start} "
-                                 f"({prompt[e.start]!r})") from None
-            if self.tokenizer is None:
-                raise ValueError("text prompt given but the model folder has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            if not ids:
-                raise ValueError("prompt encodes to no tokens")
-            text = prompt
-        elif isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            # numbers.Integral admits numpy ints; bool is an int but never a token id.
-            bad = next((i for i, t in enumerate(prompt)
-                        if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
-            if bad is not None:
-                raise ValueError(f"a token-id prompt must be a list of ints; item {bad} is "
-                                 f"{type(prompt[bad]).__name__} {prompt[bad]!r}")
-            ids, text = [int(t) for t in prompt], None
-        else:
-            raise ValueError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the maximum is {self.max_model_len - 1} "
-                             f"(max_model_len {self.max_model_len})")
-        return text, ids
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
     def prepare(self, prompt, params: SamplingParams | None = None) -> PreparedPrompt:
         """The one check of a request before it runs: params validated (and copied: the caller
@@ -385,17 +335,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no request fits the cache")
             return []
-        now = time.monotonic() if sched.prefills else None      # a request is first scheduled to prefill
-        for req, _ in sched.prefills:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        inputs = self.builder.build(sched, self.cache)
-        hidden, logits = self.runner.forward(inputs)
-        results = sample_segments(inputs, logits, self.sampler)
-        drafts = self._draft(results, hidden)
-        if self.prefix is not None:
-            self.prefix.take_checkpoints(results, hidden)
-        return self._caller_outputs(self.updater.update(StepOutput(results, drafts)))
+        return self._caller_outputs(self.step_pipeline.run(sched))
 
     def _abort_failed_step(self, batch: ScheduledBatch | None, error: BaseException) -> list[str]:
         """Aborts the failed step's requests (all n samples of each) -> their caller ids."""
@@ -450,12 +390,3 @@ class LLMEngine:
                 if result[i].finished:
                     del self.groups[item.request_id]
         return result
-
-    def _draft(self, results: list[SegmentResult], hidden: torch.Tensor) -> dict[str, list[int]]:
-        """The MTP drafter catches up over what each segment commits and proposes the drafts of
-        each request that sampled (none without speculation)."""
-        if self.drafter is None:
-            return {}
-        keep_all = self.prefix is not None      # later prefix hits share every committed position's MTP KV
-        return self.drafter.run([c for r in results
-                                 if (c := catch_up(r, hidden, self.cache, self.max_model_len, keep_all)) is not None])
