@@ -123,8 +123,8 @@ class LLMEngine:
         self.drafter = MTPDrafter(self.runner, self.cache) if k else None
         self.spec_stats = SpecStats(k) if k else None
         self.updater = StepUpdater(self.scheduler, self.cache, self.max_model_len, self.spec_stats, self.prefix)
-        self.step_pipeline = EngineStep(self.cache, self.builder, self.runner, self.drafter, self.prefix, self.updater,
-                                        self.max_model_len)
+        self.step_pipeline = EngineStep(self.cache, self.builder, self.runner, self.drafter, self.updater,
+                                        self.max_model_len, prefix_caching=prefix_on)
         # The engine's seed reaches every unseeded request as a seed of its own, drawn in
         # arrival order: the same calls give the same samples run to run (vLLM's LLM(seed=...)),
         # whatever else shares their batches.

@@ -3,8 +3,8 @@
 
 The scheduler picks the batch and reserves its memory, the builder packs it, the runner runs
 the model, the sampler and verifier turn logits into emitted tokens, the MTP drafter proposes
-the next drafts, the prefix cache keeps its checkpoints, and the updater (step_update.py)
-applies all of it (tokens, stops, commits, frees) in one place. Nothing here knows about
+the next drafts, and the updater (step_update.py) applies all of it (prefix checkpoints,
+tokens, stops, commits, frees) in one place. Nothing here knows about
 callers, request ids or failures: LLMEngine (engine.py) wires these parts and handles those.
 """
 
@@ -19,7 +19,6 @@ from hybrid_engine.state_cache import HybridCacheManager
 
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .prefix_caching import PrefixCaching
 from .sampler import Sampler
 from .sampling_step import sample_segments
 from .scheduler import ScheduledBatch
@@ -29,14 +28,14 @@ from .step_update import SegmentResult, StepOutput, StepUpdater
 
 class EngineStep:
     def __init__(self, cache: HybridCacheManager, builder: StepInputBuilder, runner: ModelRunner,
-                 drafter: MTPDrafter | None, prefix: PrefixCaching | None, updater: StepUpdater,
-                 max_model_len: int):
+                 drafter: MTPDrafter | None, updater: StepUpdater, max_model_len: int, prefix_caching: bool):
         self.cache = cache
         self.builder = builder
         self.runner = runner
         self.sampler = Sampler()
         self.drafter = drafter
-        self.prefix = prefix
+        # With prefix caching, the MTP KV of every committed position is kept: later hits share it.
+        self.mtp_keeps_all = prefix_caching
         self.updater = updater
         self.max_model_len = max_model_len
 
@@ -49,16 +48,13 @@ class EngineStep:
         inputs = self.builder.build(sched, self.cache)
         hidden, logits = self.runner.forward(inputs)
         results = sample_segments(inputs, logits, self.sampler)
-        drafts = self._draft(results, hidden)
-        if self.prefix is not None:
-            self.prefix.take_checkpoints(results, hidden)
-        return self.updater.update(StepOutput(results, drafts))
+        return self.updater.update(StepOutput(results, self._draft(results, hidden), hidden))
 
     def _draft(self, results: list[SegmentResult], hidden: torch.Tensor) -> dict[str, list[int]]:
         """The MTP drafter catches up over what each segment commits and proposes the drafts of
         each request that sampled (none without speculation)."""
         if self.drafter is None:
             return {}
-        keep_all = self.prefix is not None      # later prefix hits share every committed position's MTP KV
+        keep_all = self.mtp_keeps_all
         return self.drafter.run([c for r in results
                                  if (c := catch_up(r, hidden, self.cache, self.max_model_len, keep_all)) is not None])

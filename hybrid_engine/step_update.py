@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from hybrid_engine.spec_decode.stats import SpecStats
 from hybrid_engine.state_cache import HybridCacheManager
 
@@ -42,6 +44,7 @@ class SegmentResult:
 class StepOutput:
     results: list[SegmentResult]        # one per segment of the step, in packing order
     drafts: dict[str, list[int]]        # request id -> the drafts its next step verifies
+    hidden: torch.Tensor | None = None  # the target's final-normed hidden rows (prefix checkpoints keep some)
 
 
 class StepUpdater:
@@ -56,6 +59,8 @@ class StepUpdater:
     def update(self, step: StepOutput) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()          # when this step's tokens arrived, every one of them
+        if self.prefix is not None:     # before any commit: a verify's write slots still hold its states
+            self.prefix.take_checkpoints(step.results, step.hidden)
         for result in step.results:
             req = result.segment.request
             self._commit(result)
