@@ -7,10 +7,10 @@ import torch
 
 from hybrid_engine.kernels.cpu import forms, gdn_recurrent as native_recurrent
 from hybrid_engine.kernels.cpu.isa import at_least
-from hybrid_engine.kernels.cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
+from hybrid_engine.kernels.cpu.gdn_recurrent import can_run_native, gdn_recurrent_native
 from hybrid_engine.kernels.gdn import recurrent
 from hybrid_engine.kernels.gdn.recurrent import _decode_in_place, _steps
-from hybrid_engine.kernels.slot_pool import DecodeRows
+from hybrid_engine.kernels.slot_pool import DecodeRows, rows_independent
 
 pytestmark = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 

@@ -5,7 +5,7 @@ instead of ~8 ops per token (kernels/gdn/recurrent.py is the reference).
 
 The call is the operator `hybrid_engine_cpu::gdn_recurrent` (ops.py, C++ from the checks to the
 kernel), eagerly and in compiled graphs alike. It takes any rows: where they are not
-`rows_independent` it starts them from a copy of their states, gathered first (as the torch
+`rows_independent` (kernels/slot_pool.py) it starts them from a copy of their states, gathered first (as the torch
 form does), so that parallel rows cannot race on a slot."""
 
 from __future__ import annotations
@@ -26,17 +26,6 @@ def can_run_native(state_pool: torch.Tensor) -> bool:
 @torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
 def native_available() -> bool:
     return native_ops() is not None
-
-
-def rows_independent(read: list[int], write: list[list[int]]) -> bool:
-    """True when the kernel may run the rows in parallel on the pool itself: every read slot is
-    valid and read by one row, and no row writes a slot that another row reads. (The torch form
-    gathers every state before writing any, so it allows that; so does the op, at the price of
-    that copy; the engine's steps never need it.) ops.cpp checks the same per call."""
-    owner = {s: b for b, s in enumerate(read)}
-    if len(owner) < len(read) or min(read, default=0) < 0:
-        return False
-    return all(owner.get(s, b) == b for b, row in enumerate(write) for s in row)
 
 
 def gdn_recurrent_native(kq: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
