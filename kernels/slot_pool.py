@@ -50,7 +50,7 @@ def rows_independent(read: list[int], write: list[list[int]]) -> bool:
     """True when the kernel may run the rows in parallel on the pool itself: every read slot is
     valid and read by one row, and no row writes a slot that another row reads. (The torch form
     gathers every state before writing any, so it allows that; so does the op, at the price of
-    that copy; the engine's steps never need it.) ops.cpp checks the same per call."""
+    that copy; the engine's steps never need it.) kernels/native/ops.cpp checks the same per call."""
     owner = {s: b for b, s in enumerate(read)}
     if len(owner) < len(read) or min(read, default=0) < 0:
         return False
