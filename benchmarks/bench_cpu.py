@@ -233,8 +233,8 @@ def stream_reader():
     import ctypes
     import hashlib
     import warnings
-    from hybrid_engine.kernels.cpu import build
-    from hybrid_engine.kernels.cpu.isa import cpu_level
+    from hybrid_engine.kernels.native import build
+    from hybrid_engine.kernels.native.isa import cpu_level
     source = Path(__file__).with_name("stream_read.c")
     try:
         cc = build._compiler()

@@ -28,7 +28,7 @@ its converter, gguf-py and tools/llama-bench. Everything lives under --work-dir,
 repository (the sdist, the builds, the GGUF files), and is made once. Levels, like with like:
 - native: llama.cpp built with GGML_NATIVE=ON, ours at the CPU's own level;
 - avx2:   llama.cpp with GGML_NATIVE=OFF, AVX2/FMA/F16C on and AVX-512 off, ours with
-          HYBRID_ENGINE_CPU_ISA=avx2 (kernels/cpu/isa.py) and torch's MKL and oneDNN capped at
+          HYBRID_ENGINE_CPU_ISA=avx2 (kernels/native/isa.py) and torch's MKL and oneDNN capped at
           AVX2 too (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY).
 
 Runs: `llama-bench -t N -p 512 -n 128 -r R -o json` (pp512: a 512-token prompt; tg128: 128
@@ -404,12 +404,12 @@ def table(rows: list[dict], generate: int = GENERATE, roofs: dict | None = None)
 
 
 def detected_level() -> str:
-    from hybrid_engine.kernels.cpu import isa
+    from hybrid_engine.kernels.native import isa
     return isa.detected_level()
 
 
 def cpu_record() -> dict:
-    from hybrid_engine.kernels.cpu import isa
+    from hybrid_engine.kernels.native import isa
     return {"machine": cpu_name(), "detected_level": isa.detected_level(), "flags": sorted(isa.cpu_flags()),
             "cpu_count": os.cpu_count(), "platform": platform.platform()}
 

@@ -36,8 +36,8 @@ import torch.fx.experimental._config as fx_config
 from torch._inductor.compile_fx import compile_fx
 
 from hybrid_engine.kernels import KernelBackend
-from hybrid_engine.kernels.cpu.isa import onednn_packs
-from hybrid_engine.kernels.cpu.ops import graph_cache_tag
+from hybrid_engine.kernels.native.isa import onednn_packs
+from hybrid_engine.kernels.native.ops import graph_cache_tag
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
@@ -48,7 +48,7 @@ from .graph_replay import GraphReplay
 from .model_runner import EagerSteps
 from .step_inputs import StepInputs
 
-# Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm.py `scalar`,
+# Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm/reference.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
 
@@ -60,7 +60,7 @@ MTP_REPLAYS = 8
 class CompiledSteps(EagerSteps):
     def __init__(self, model: HybridForCausalLM, cache: LayerCaches):
         super().__init__(model, cache)
-        # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: kernels/cpu/projection.py),
+        # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: kernels/linear/cpu.py),
         # inductor's freezing packs them (weights become constants of the graph, packed once;
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
         # would pack for a slower GEMV and double the weights, so it is off there.
@@ -196,9 +196,9 @@ def _inductor(freeze: bool):
     40 products and graph ops per default-model step), allocates and reinterprets buffers and
     checks input sizes, is compiled C++ instead of Python (about 230 fewer C calls from the
     interpreter per step: a few hundred Python statements of ~1 us each against a step of ~1 ms).
-    The native kernels are torch ops with C++ implementations (kernels/cpu/ops.py), which the
+    The native kernels are torch ops with C++ implementations (kernels/native/ops.py), which the
     C++ wrapper calls through the dispatcher without Python. The graphs' on-disk cache is keyed
-    by those ops too (kernels/cpu/ops.py graph_cache_tag): a cached graph compiled against other
+    by those ops too (kernels/native/ops.py graph_cache_tag): a cached graph compiled against other
     ops is never served.
 
     Size asserts off: the wrapper would check every input's sizes and strides at every call

@@ -1,5 +1,7 @@
-"""The engine's kernels: every op has a torch reference, a native CPU form (kernels/cpu/) where it
-pays, and a triton version (kernels/triton/).
+"""The engine's kernels, one folder per op (norm/, rope/, activation/, attention/, conv/, gdn/,
+linear/): each holds the op's torch reference, its native CPU form (`cpu.py` and its C++) where it
+pays, and its triton form (`triton.py`). native/ builds the C++ of every op into one library of
+torch operators; triton_support/ is what the triton forms share.
 
 Ops take tensors and flags only; nothing here knows about models or the engine. An engine
 takes its ops from one `KernelBackend` chosen at construction (kernels/backends.py:

@@ -3,12 +3,21 @@ it down in every step's ForwardBatch; the layers call its ops (`batch.kernels.rm
 No module-level state picks a backend.
 
     torch   the reference: the torch form of every op, runs everywhere, calls no native code
-    cpu     the native C++ kernels of kernels/cpu/ for the level the ISA probe allows
-            (kernels/cpu/isa.py), each op falling back to its torch form where its kernel
-            cannot take the call (kernels/cpu/forms.py says where)
-    triton  the GPU kernels of kernels/triton/ (imported on first use: fla takes seconds)
+    cpu     the native C++ kernels (each op folder's cpu form, CPU_FORMS) for the level the ISA
+            probe allows (kernels/native/isa.py), each op falling back to its torch form where
+            its kernel cannot take the call (the cpu form says where)
+    triton  the GPU kernels (each op folder's triton form, TRITON_FORMS; imported on first use:
+            fla takes seconds)
 
-A backend also chooses the projections' linear method (`linear_method`, kernels/linear.py: the
+The norms and the SwiGLU activation are native in eager calls only: a step torch.compile traces
+keeps their torch forms, which inductor fuses into its own loops. The conv update, the GDN
+recurrence, the GDN decode step and decode attention are native in compiled graphs too (one
+extern call each). Which form runs is decided by the cpu form, once per call from facts the
+caller already holds (dtypes, shapes, the step's DecodeRows and AttentionLayout computed once by
+the engine's builder), and by the same predicates the engine asks at build time (`CpuBackend`),
+so no caller predicts what a kernel will do.
+
+A backend also chooses the projections' linear method (`linear_method`, kernels/linear/: the
 weights' layout after loading and the product), and answers the questions the engine's builder
 asks once, at build time,
 about how a step should be laid out for it: whether attention of a given query length reads
@@ -18,11 +27,12 @@ through the decode kernel (`gdn_decode_serves_prefill`).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
 
-from . import activation, attention, conv, fused, gdn, norm, rope
+from . import activation, attention, conv, gdn, norm, rope
 from .linear import LinearMethod
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -39,14 +49,28 @@ TORCH_OPS = {
     "chunk_gated_delta_rule": gdn.chunk_gated_delta_rule,
     "conv_windows_at": conv.conv_windows_at,
     "gated_rms_norm": norm.gated_rms_norm_torch,
-    "gdn_decode": fused.gdn_decode_torch,
+    "gdn_decode": gdn.gdn_decode_torch,
     "paged_attention": attention.paged_attention,
-    "qk_norm_rope": fused.qk_norm_rope_torch,
+    "qk_norm_rope": norm.qk_norm_rope_torch,
     "recurrent_gated_delta_rule": gdn.recurrent_gated_delta_rule,
     "rms_norm": norm.rms_norm_torch,
     "silu_mul": activation.silu_mul_torch,
     "write_kv_cache": attention.write_kv_cache,
 }
+
+# Where each backend's forms live: one module per op folder, which holds the ops of OP_NAMES that
+# backend runs in a form of its own (the rest run their torch form).
+CPU_FORMS = ("activation.cpu", "attention.cpu", "conv.cpu", "gdn.decode_cpu", "gdn.recurrent_cpu", "norm.cpu")
+TRITON_FORMS = ("attention.triton", "conv.triton", "gdn.decode_triton", "gdn.triton", "norm.triton")
+
+
+def forms(modules: tuple[str, ...]) -> dict:
+    """The ops of OP_NAMES that `modules` (CPU_FORMS or TRITON_FORMS) define, by name."""
+    ops = {}
+    for path in modules:
+        module = importlib.import_module(f"{__package__}.{path}")
+        ops.update({name: getattr(module, name) for name in OP_NAMES if hasattr(module, name)})
+    return ops
 
 
 class KernelBackend:
@@ -83,24 +107,23 @@ class KernelBackend:
 
 class CpuBackend(KernelBackend):
     def __init__(self):
-        from .cpu import forms
-        self._forms = forms
-        super().__init__("cpu", {**TORCH_OPS, **{name: getattr(forms, name) for name in OP_NAMES
-                                                 if hasattr(forms, name)}})
+        super().__init__("cpu", {**TORCH_OPS, **forms(CPU_FORMS)})
 
     def linear_method(self, compiled=False, few_rows_copy=True):
-        """Each weight in the layout kernels/cpu/projection.py chooses for it: blocked for the
+        """Each weight in the layout kernels/linear/cpu.py chooses for it: blocked for the
         native kernels, bf16/fp16 packed for oneDNN where the level allows (not under compiled
         steps: inductor's freezing packs the weights of its graphs itself), and bf16 with a
         blocked copy for products of a few rows unless few_rows_copy is False."""
-        from .cpu.projection import CpuLinearMethod
+        from .linear.cpu import CpuLinearMethod
         return CpuLinearMethod(onednn=not compiled, few_rows_copy=few_rows_copy)
 
     def attention_reads_keys(self, kv_cache, num_heads, query_len):
-        return not self._forms.reads_cache_in_place(kv_cache, num_heads, query_len)
+        from .attention.cpu import reads_cache_in_place
+        return not reads_cache_in_place(kv_cache, num_heads, query_len)
 
     def gdn_decode_serves_prefill(self, conv_pool, state_pool, conv_kernel, dtype):
-        return self._forms.decode_kernel_serves_prefill(conv_pool, state_pool, conv_kernel, dtype)
+        from .gdn.decode_cpu import decode_kernel_serves_prefill
+        return decode_kernel_serves_prefill(conv_pool, state_pool, conv_kernel, dtype)
 
 
 def torch_backend() -> KernelBackend:
@@ -112,9 +135,7 @@ def cpu_backend() -> KernelBackend:
 
 
 def triton_backend() -> KernelBackend:
-    from . import triton as triton_ops
-    return KernelBackend("triton", {**TORCH_OPS, **{name: getattr(triton_ops, name) for name in OP_NAMES
-                                                    if hasattr(triton_ops, name)}})
+    return KernelBackend("triton", {**TORCH_OPS, **forms(TRITON_FORMS)})
 
 
 def triton_available() -> bool:
@@ -122,7 +143,7 @@ def triton_available() -> bool:
 
 
 def native_cpu_available() -> bool:
-    from .cpu.ops import native_ops
+    from .native.ops import native_ops
     return native_ops() is not None
 
 

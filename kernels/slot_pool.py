@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu.gdn_recurrent import rows_independent
-
 
 @dataclass(frozen=True)
 class DecodeRows:
@@ -46,6 +44,17 @@ class DecodeRows:
 
     def without_ids(self) -> DecodeRows:
         return DecodeRows(self.writes_valid, self.independent, self.in_place)
+
+
+def rows_independent(read: list[int], write: list[list[int]]) -> bool:
+    """True when the kernel may run the rows in parallel on the pool itself: every read slot is
+    valid and read by one row, and no row writes a slot that another row reads. (The torch form
+    gathers every state before writing any, so it allows that; so does the op, at the price of
+    that copy; the engine's steps never need it.) kernels/native/ops.cpp checks the same per call."""
+    owner = {s: b for b, s in enumerate(read)}
+    if len(owner) < len(read) or min(read, default=0) < 0:
+        return False
+    return all(owner.get(s, b) == b for b, row in enumerate(write) for s in row)
 
 
 def scatter_to_slots(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, valid: bool) -> None:

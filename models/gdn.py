@@ -130,7 +130,7 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, mixed, b, a, conv_w, batch: ForwardBatch, conv_pool, state_pool) -> torch.Tensor:
         """The decode segments, decode_len tokens each, from the projections: the gates, the
         conv update and the recurrent rule in one kernel op where the backend has it
-        (kernels/fused.py gdn_decode) -> o [tokens, Hv, dv]."""
+        (kernels/gdn/decode.py gdn_decode) -> o [tokens, Hv, dv]."""
         nd, dl = batch.num_decodes, batch.decode_len
         read = batch.state_slots[batch.num_prefills:] if batch.num_prefills else batch.state_slots
         o = batch.kernels.gdn_decode(mixed.view(nd, dl, self.conv_dim), b.view(nd, dl, self.hv),

@@ -1,5 +1,5 @@
 """Projection layers: a model declares each projection by its logical shape, and the linear method
-it is given (kernels/linear.py; chosen by the engine's kernel backend) owns the weights behind it:
+it is given (kernels/linear/reference.py; chosen by the engine's kernel backend) owns the weights behind it:
 what the loader fills, the layout after loading, and the product.
 
 Merged projections. At batch-1 decode every weight is read once per token and the step is bound

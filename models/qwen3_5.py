@@ -22,7 +22,7 @@ from .mtp import MTPHead
 
 
 class HybridForCausalLM(nn.Module):
-    """method: the linear method of every projection (kernels/linear.py; None: the plain one),
+    """method: the linear method of every projection (kernels/linear/reference.py; None: the plain one),
     which owns their weights' layouts. With tied embeddings lm_head is loaded with the embedding
     table (models/load.py); where its method then holds the values in a layout of its own, the
     plain table is freed and the embedding reads its rows from lm_head."""

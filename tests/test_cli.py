@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level
+from hybrid_engine.kernels.native.isa import cpu_level, detected_level
 
 from checkpoints import save_tokenizer
 from spec_models import make_spec_checkpoint

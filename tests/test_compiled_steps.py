@@ -153,8 +153,8 @@ def test_graph_cache_is_keyed_by_the_native_ops(monkeypatch):
     name (its sources' key) and a digest of the fakes, so a graph compiled against other ops (an
     earlier schema or fake) is never served."""
     import hybrid_engine.compiled_steps as compiled_steps
-    from hybrid_engine.kernels.cpu.build import library_name
-    from hybrid_engine.kernels.cpu.ops import graph_cache_tag
+    from hybrid_engine.kernels.native.build import library_name
+    from hybrid_engine.kernels.native.ops import graph_cache_tag
 
     tag = graph_cache_tag()
     name = library_name()

@@ -1,4 +1,4 @@
-"""kernels/cpu/isa.py: the CPU probe's parse of CPU flags, its levels and the override."""
+"""kernels/native/isa.py: the CPU probe's parse of CPU flags, its levels and the override."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hybrid_engine.kernels.cpu import isa
+from hybrid_engine.kernels.native import isa
 
 # Flag lines as /proc/cpuinfo prints them (trimmed to the relevant part).
 EPYC_ZEN3 = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr "
@@ -67,7 +67,7 @@ def test_the_process_level_is_the_detected_one_lowered_by_the_environment():
 
 
 def test_a_bad_override_is_a_clear_error_when_the_engine_packs_weights():
-    code = ("from hybrid_engine.kernels.cpu.blocked import native_available\n"
+    code = ("from hybrid_engine.kernels.linear.blocked import native_available\n"
             "try:\n    native_available()\nexcept ValueError as e:\n    print('ValueError:', e)\n")
     env = {**os.environ, isa.ENV: "avx1024"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -75,7 +75,7 @@ def test_a_bad_override_is_a_clear_error_when_the_engine_packs_weights():
 
 
 def test_no_library_is_loaded_for_a_level_above_the_process(monkeypatch):
-    from hybrid_engine.kernels.cpu import build
+    from hybrid_engine.kernels.native import build
     monkeypatch.setattr(build, "cpu_level", lambda: "avx2")
     with pytest.raises(ValueError, match="level 'avx512' is not one this process may run"):
         build.load_ops("avx512")
@@ -111,7 +111,7 @@ def test_every_level_builds_on_any_machine_and_only_avx512_levels_use_zmm():
     # A CPU runs only its own level and those below, so an AVX2-only machine never loads the
     # AVX-512 libraries: building them here (compile and link, never load) keeps their code
     # compiling where CI has no AVX-512, and the zmm count shows each got the width it asked for.
-    from hybrid_engine.kernels.cpu import build
+    from hybrid_engine.kernels.native import build
     for level in ("avx2", "avx512", "avx512_bf16"):
         library = build._build(level)
         assert library.is_file() and f"-{level}-" in library.name

@@ -73,7 +73,7 @@ def test_cpu_backend_matches_the_torch_reference(ckpt):
 def test_the_torch_backend_calls_no_native_code(ckpt, monkeypatch):
     """Every native kernel is a torch op of the hybrid_engine_cpu namespace: a torch-backend
     engine, weights and steps, never reaches one."""
-    from hybrid_engine.kernels.cpu import ops as native_ops_module
+    from hybrid_engine.kernels.native import ops as native_ops_module
     engine = _engine(ckpt, "torch")
     assert all(not type(p).__name__.endswith("Projection") for p in vars(engine.model).values())
     monkeypatch.setattr(native_ops_module, "native_ops", lambda level=None: pytest.fail("native code reached"))

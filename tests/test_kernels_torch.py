@@ -23,7 +23,7 @@ from hybrid_engine.kernels import (
     torch_backend,
     write_kv_cache,
 )
-from hybrid_engine.kernels.cpu.isa import cpu_level
+from hybrid_engine.kernels.native.isa import cpu_level
 from hybrid_engine.kernels.gdn import recurrent as recurrent_module
 from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
 from hybrid_engine.kernels.norm import gated_rms_norm_torch, rms_norm_torch

@@ -1,6 +1,6 @@
-"""kernels/cpu/projection.py and models/linear.py: every layout chosen for a projection, at the
+"""kernels/linear/cpu.py and models/linear.py: every layout chosen for a projection, at the
 process's CPU level (run this file with HYBRID_ENGINE_CPU_ISA=avx512|avx2|none too), computes
-x W^T; the native blocked kernel (kernels/cpu/blocked_linear.cpp) against F.linear."""
+x W^T; the native blocked kernel (kernels/linear/blocked_linear.cpp) against F.linear."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_engine.kernels.cpu import blocked as blocked_mod
-from hybrid_engine.kernels.cpu import block_weight, blocked_linear, blocked_linear_reference, native_available
-from hybrid_engine.kernels.cpu import projection as projection_mod
-from hybrid_engine.kernels.cpu.ops import native_ops
-from hybrid_engine.kernels.cpu.isa import at_least, onednn_packs
+from hybrid_engine.kernels.linear import blocked as blocked_mod
+from hybrid_engine.kernels.linear.blocked import block_weight, blocked_linear, blocked_linear_reference, native_available
+from hybrid_engine.kernels.linear import cpu as projection_mod
+from hybrid_engine.kernels.native.ops import native_ops
+from hybrid_engine.kernels.native.isa import at_least, onednn_packs
 from hybrid_engine.kernels.activation import silu_mul_torch
-from hybrid_engine.kernels.cpu.forms import silu_mul
-from hybrid_engine.kernels.cpu.projection import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
+from hybrid_engine.kernels.activation.cpu import silu_mul
+from hybrid_engine.kernels.linear.cpu import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
                                                   WideningProjection, choose_projection, fused_swiglu, plain_linear)
-from hybrid_engine.kernels.cpu.projection import CpuLinearMethod, Projection
+from hybrid_engine.kernels.linear.cpu import CpuLinearMethod, Projection
 from hybrid_engine.kernels.backends import CpuBackend
 from hybrid_engine.kernels.linear import LinearMethod, plain_linear
 from hybrid_engine.models.linear import Linear
@@ -63,7 +63,7 @@ def test_plain_linear_matches_f_linear_at_every_row_count(rows):
 
 
 def expected_layout(dtype: torch.dtype, onednn: bool, few_rows_copy: bool) -> type:
-    """The policy of kernels/cpu/projection.py, spelled out per level for a blockable weight."""
+    """The policy of kernels/linear/cpu.py, spelled out per level for a blockable weight."""
     if dtype == torch.float32:
         return BlockedProjection if native_available() else PlainProjection
     if not onednn_packs(dtype):
@@ -123,7 +123,7 @@ def test_rows_off_the_block_are_padded_and_cropped(block_every_size, dtype, n, k
     assert torch.equal(blocked.rows(ids), w[ids])
 
 
-# ---- the native blocked kernel (kernels/cpu/blocked_linear.cpp) -------------------------------
+# ---- the native blocked kernel (kernels/linear/blocked_linear.cpp) -------------------------------
 
 @needs_native
 def test_native_kernel_builds_where_the_cpu_can_run_it():
@@ -472,7 +472,7 @@ def test_without_the_native_kernel_float32_weights_stay_plain(monkeypatch):
 @needs_native
 def test_small_float32_weights_are_blocked_too():
     # also where MKL's GEMV is tuned (Intel): the MLP of two blocked weights is one native call,
-    # and MTP verify's rows run faster in the kernel (kernels/cpu/projection.py)
+    # and MTP verify's rows run faster in the kernel (kernels/linear/cpu.py)
     assert isinstance(choose_projection(torch.randn(256, 1024)), BlockedProjection)
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(240, 1024, generator=g), torch.randn(3, 1024, generator=g)

@@ -1,5 +1,5 @@
-"""kernels/cpu/paged_attention.cpp: decode and verify attention read in place from the paged
-cache == the per-sequence float32 reference (kernels/attention.py `naive_paged_attention`),
+"""kernels/attention/paged_attention.cpp: decode and verify attention read in place from the paged
+cache == the per-sequence float32 reference (kernels/attention/reference.py `naive_paged_attention`),
 at every native level this process may run (the kernel built for each), and paged_attention
 takes it (eager and traced) where it runs and the torch form where it does not (level none:
 HYBRID_ENGINE_CPU_ISA=none)."""
@@ -11,8 +11,8 @@ import torch
 
 
 from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
-from hybrid_engine.kernels.cpu import forms, paged_attention as native
-from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
+from hybrid_engine.kernels.attention import cpu as native
+from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
 from op_calls import recorded_calls
 
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
@@ -81,7 +81,7 @@ def _paged(q, cache, table, lens, compiled=False):
     Q = q.shape[0] // lens.shape[0]
     cu = torch.arange(lens.shape[0] + 1) * Q
     layout = attention_layout(table, lens, [Q] * lens.shape[0], cache.shape[2], slots_valid=True)
-    op = forms.paged_attention
+    op = native.paged_attention
     if compiled:   # tracing only, in one graph: the path of compiled steps, nothing read back
         op = torch.compile(op, backend="eager", fullgraph=True, dynamic=False)
     return op(q, cache, table, cu, lens, 0.25, layout)

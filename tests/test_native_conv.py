@@ -1,5 +1,5 @@
-"""kernels/cpu/causal_conv1d_update.cpp: the decode/verify conv update == the torch form
-(kernels/conv/causal_conv1d.py `causal_conv1d_update_torch`) at every native level this process
+"""kernels/conv/causal_conv1d_update.cpp: the decode/verify conv update == the torch form
+(kernels/conv/reference.py `causal_conv1d_update_torch`) at every native level this process
 may run, causal_conv1d_update takes it (eager and traced) where it runs and the torch form
 where it does not, and the engine's greedy tokens (plain decode and MTP verify) are the same
 with it as with the torch form, and as transformers'."""
@@ -14,11 +14,11 @@ from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
 
-from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update_torch
-from hybrid_engine.kernels.cpu.forms import causal_conv1d_update      # the cpu backend's op
-from hybrid_engine.kernels.cpu import causal_conv1d_update as native
-from hybrid_engine.kernels.cpu import gdn_decode as native_gdn_decode
-from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
+from hybrid_engine.kernels.conv.reference import causal_conv1d_update_torch
+from hybrid_engine.kernels.conv.cpu import causal_conv1d_update      # the cpu backend's op
+from hybrid_engine.kernels.conv import cpu as native
+from hybrid_engine.kernels.gdn import decode_cpu as native_gdn_decode
+from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
 from checkpoints import make_hf_model, save_checkpoint
@@ -184,7 +184,7 @@ def test_the_update_takes_the_kernel_where_it_runs(dtype, compiled):
 def _counting_kernel(monkeypatch):
     """Counts the kernel's calls by tokens per row (1: decode, k + 1: verify), where the layer
     calls the op (the engine's steps run on a thread of their own, which a profiler started
-    here would not see). The fused decode op (kernels/cpu/gdn_decode.py, which runs this
+    here would not see). The fused decode op (kernels/gdn/decode_cpu.py, which runs this
     kernel inside it; tests/test_native_gdn_decode.py) is turned off, so that the layer calls
     the conv update on its own."""
     monkeypatch.setattr(native_gdn_decode, "can_run_native", lambda *a: False)

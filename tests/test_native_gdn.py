@@ -1,16 +1,16 @@
-"""kernels/cpu/gdn_recurrent.cpp: decode and verify steps == the torch forms and the rule itself."""
+"""kernels/gdn/gdn_recurrent.cpp: decode and verify steps == the torch forms and the rule itself."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybrid_engine.kernels.cpu import forms, gdn_recurrent as native_recurrent
-from hybrid_engine.kernels.cpu.isa import at_least
-from hybrid_engine.kernels.cpu.gdn_recurrent import can_run_native, gdn_recurrent_native, rows_independent
 from hybrid_engine.kernels.gdn import recurrent
+from hybrid_engine.kernels.gdn import recurrent_cpu as native_recurrent
 from hybrid_engine.kernels.gdn.recurrent import _decode_in_place, _steps
-from hybrid_engine.kernels.slot_pool import DecodeRows
+from hybrid_engine.kernels.gdn.recurrent_cpu import can_run_native, gdn_recurrent_native
+from hybrid_engine.kernels.native.isa import at_least
+from hybrid_engine.kernels.slot_pool import DecodeRows, rows_independent
 
 pytestmark = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 
@@ -113,7 +113,7 @@ def test_the_cpu_backend_takes_the_torch_form_for_rows_known_to_depend(monkeypat
         want = recurrent._steps(recurrent.normalize_kq(q, k, H, None, True), decay, beta, v, want_pool, read, write)
         calls.clear()
         got_pool = pool.clone()
-        got = forms.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, got_pool, read, write, rows=rows)
+        got = native_recurrent.recurrent_gated_delta_rule(q, k, v, decay.log(), beta, got_pool, read, write, rows=rows)
         assert calls == ([1] if uses_kernel else [])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
@@ -140,7 +140,7 @@ def test_compiled_graphs_call_the_kernel_as_one_op():
     B, T, H, dk, dv = 2, 3, 4, 32, 32
     kq, decay, beta, v, pool, _ = _inputs(B, T, H, dk, dv, seed=11)
     q, k = kq[..., 1, :].contiguous(), kq[..., 0, :].contiguous()
-    compiled = torch.compile(forms.recurrent_gated_delta_rule, fullgraph=True)
+    compiled = torch.compile(native_recurrent.recurrent_gated_delta_rule, fullgraph=True)
     for read, write in (([1, 4], [[1, 6, 7], [4, 8, 9]]), ([0, 1], [[1, 2, 3], [5, 6, 7]])):
         read, write = torch.tensor(read), torch.tensor(write)
         want_pool = pool.clone()

@@ -1,5 +1,5 @@
-"""kernels/cpu/gdn_decode.cpp (with the conv update before it): the GDN layer's decode/verify step
-from its projections == the torch form (kernels/fused.py `gdn_decode_torch`, run on the plain
+"""kernels/gdn/gdn_decode.cpp (with the conv update before it): the GDN layer's decode/verify step
+from its projections == the torch form (kernels/gdn/decode.py `gdn_decode_torch`, run on the plain
 torch ops) at every native level this process may run; `gdn_decode` takes the op (eager and
 traced) where it runs and the torch form where it does not; and the engine's greedy tokens
 (plain decode and MTP verify) are the same on it as on the torch form, and as transformers'."""
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
-from hybrid_engine.kernels import fused
-from hybrid_engine.kernels.cpu import forms, gdn_decode as native
-from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
+from hybrid_engine.kernels import gdn
+from hybrid_engine.kernels.gdn import decode_cpu as native
+from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
 from hybrid_engine.kernels.slot_pool import DecodeRows
 
 from checkpoints import make_hf_model, save_checkpoint
@@ -32,7 +32,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.fixture
 def torch_forms():
     """The reference: the torch backend's gdn_decode, the plain torch ops in sequence."""
-    return fused.gdn_decode_torch
+    return gdn.gdn_decode_torch
 
 
 class Case:
@@ -162,7 +162,7 @@ def test_any_slots_match_the_torch_form(level, seed, B, T, groups, dtype, data):
         if t < T:
             write[b][t] = write[b][t - 1]
     case.write = torch.tensor(write)
-    want = case.run(fused.gdn_decode_torch)
+    want = case.run(gdn.gdn_decode_torch)
     assert_same(case.run(native_at(level)), want)
 
 
@@ -216,7 +216,7 @@ def test_gdn_decode_takes_the_op_where_it_runs(torch_forms, dtype, compiled):
     compiled graph alike, bitwise the torch form's result; level none takes the torch form."""
     case = Case(11, 2, 3, 2, 4, 32, 32, 4, dtype)
     want = case.run(torch_forms)
-    op = forms.gdn_decode
+    op = native.gdn_decode
     rows = DecodeRows.of_tensors(case.read, case.write)                # as the engine hands them down
     if compiled:
         op = torch.compile(op, fullgraph=True, dynamic=False)

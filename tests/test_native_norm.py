@@ -1,6 +1,6 @@
-"""kernels/cpu/rms_norm.cpp: the zero-centred RMSNorm (alone and after the residual add), the
-GDN gated norm and the attention q/k norm + partial RoPE == their torch forms (kernels/norm.py,
-kernels/fused.py `*_torch`) at every native level this process may run, on the model's shapes
+"""kernels/norm/rms_norm.cpp: the zero-centred RMSNorm (alone and after the residual add), the
+GDN gated norm and the attention q/k norm + partial RoPE == their torch forms
+(kernels/norm/reference.py `*_torch`) at every native level this process may run, on the model's shapes
 and odd ones; the public ops take the kernel for eager CPU calls and the torch form at level
 none and under torch.compile; and the engine's greedy tokens are the same with the kernel as
 with the torch forms, and as transformers'."""
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hybrid_engine import LLM
-from hybrid_engine.kernels import fused, norm, rope_cos_sin
-from hybrid_engine.kernels.cpu import forms, rms_norm as native
-from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
+from hybrid_engine.kernels import norm, rope_cos_sin
+from hybrid_engine.kernels.norm import cpu as native
+from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
 
 from checkpoints import make_hf_model, save_checkpoint
 from engine_checks import assert_greedy_matches_transformers, greedy_tokens
@@ -147,7 +147,7 @@ def test_qk_norm_rope_matches_the_torch_form(level, dtype, weight_dtype, seed, T
     cos, sin = rope_cos_sin(torch.arange(T) * 37 + 5, rot, 1e7, dtype)
     assert native.can_run_qk_norm_rope(q, k, w_q, w_k, cos, sin) == bool(NATIVE_LEVELS)
     got = native.qk_norm_rope_native(q, k, w_q, w_k, EPS, cos, sin, level=level)
-    want = fused.qk_norm_rope_torch(q, k, w_q, w_k, EPS, cos, sin)
+    want = norm.qk_norm_rope_torch(q, k, w_q, w_k, EPS, cos, sin)
     for got_part, want_part in zip(got, want):
         assert_rope_close_to_reference(got_part, want_part)
 
@@ -173,7 +173,7 @@ def test_any_size_matches_the_torch_forms(level, seed, R, H, D, dtypes):
     rot = 2 * (seed % (D // 2 + 1))
     cos, sin = rope_cos_sin(torch.arange(R) * 11 + 3, rot, 1e7, dtype) if rot else (x.new_empty(R, 0),) * 2
     got = native.qk_norm_rope_native(x, h[:, :1], w, 0.5 * w, EPS, cos, sin, level=level)
-    for got_part, want_part in zip(got, fused.qk_norm_rope_torch(x, h[:, :1], w, 0.5 * w, EPS, cos, sin)):
+    for got_part, want_part in zip(got, norm.qk_norm_rope_torch(x, h[:, :1], w, 0.5 * w, EPS, cos, sin)):
         assert_rope_close_to_reference(got_part, want_part)
 
 
@@ -214,11 +214,11 @@ def test_the_ops_take_the_torch_form_where_the_kernel_cannot(monkeypatch):
     g = torch.Generator().manual_seed(9)
     x, h = 3 * torch.randn(2, 3, 16, generator=g)
     w = 0.2 * torch.randn(16, generator=g)
-    for got, want in zip(forms.add_rms_norm(x, h[:1], w, EPS), norm.add_rms_norm_torch(x, h[:1], w, EPS)):
+    for got, want in zip(native.add_rms_norm(x, h[:1], w, EPS), norm.add_rms_norm_torch(x, h[:1], w, EPS)):
         assert torch.equal(got, want)
-    assert torch.equal(forms.gated_rms_norm(x, h.double(), w, EPS), norm.gated_rms_norm_torch(x, h.double(), w, EPS))
+    assert torch.equal(native.gated_rms_norm(x, h.double(), w, EPS), norm.gated_rms_norm_torch(x, h.double(), w, EPS))
     per_head = 0.2 * torch.randn(3, 16, generator=g)
-    assert torch.equal(forms.rms_norm(x, per_head, EPS), norm.rms_norm_torch(x, per_head, EPS))
+    assert torch.equal(native.rms_norm(x, per_head, EPS), norm.rms_norm_torch(x, per_head, EPS))
     assert not calls
 
 
@@ -254,13 +254,13 @@ def test_the_ops_take_the_kernel_where_it_runs(dtype, compiled, monkeypatch):
     cos, sin = rope_cos_sin(torch.tensor([0, 3, 90]), 16, 1e7, dtype)
 
     def all_ops(x, h, q, k):
-        total, y = forms.add_rms_norm(x, h, w, EPS)
-        return (forms.rms_norm(x, w, EPS), total, y, forms.gated_rms_norm(x, h, 1 + w, EPS),
-                *forms.qk_norm_rope(q[..., :32], k, w_q, w_k, EPS, cos, sin))
+        total, y = native.add_rms_norm(x, h, w, EPS)
+        return (native.rms_norm(x, w, EPS), total, y, native.gated_rms_norm(x, h, 1 + w, EPS),
+                *native.qk_norm_rope(q[..., :32], k, w_q, w_k, EPS, cos, sin))
 
     want = (norm.rms_norm_torch(x, w, EPS), *norm.add_rms_norm_torch(x, h, w, EPS),
             norm.gated_rms_norm_torch(x, h, 1 + w, EPS),
-            *fused.qk_norm_rope_torch(q[..., :32], k, w_q, w_k, EPS, cos, sin))
+            *norm.qk_norm_rope_torch(q[..., :32], k, w_q, w_k, EPS, cos, sin))
     op = torch.compile(all_ops, backend="eager", fullgraph=True, dynamic=False) if compiled else all_ops
     got = op(x, h, q, k)
     expected = {} if compiled or cpu_level() == "none" else {

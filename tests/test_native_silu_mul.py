@@ -1,4 +1,4 @@
-"""kernels/cpu/silu_mul.cpp: the SwiGLU activation == the torch form (kernels/activation.py
+"""kernels/activation/silu_mul.cpp: the SwiGLU activation == the torch form (kernels/activation/reference.py
 `silu_mul_torch`) at every native level this process may run; silu_mul takes the kernel for
 eager CPU calls and the torch form where it cannot run (traced, autograd, other dtypes)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hybrid_engine.kernels.activation import silu_mul_torch
-from hybrid_engine.kernels.cpu.forms import silu_mul      # the cpu backend's op
-from hybrid_engine.kernels.cpu import silu_mul as native
-from hybrid_engine.kernels.cpu.isa import LEVELS, at_least, cpu_level
+from hybrid_engine.kernels.activation.cpu import silu_mul      # the cpu backend's op
+from hybrid_engine.kernels.activation import cpu as native
+from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
 
 from op_calls import recorded_calls
 

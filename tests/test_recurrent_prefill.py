@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.kernels.cpu.gdn_decode import native_available
+from hybrid_engine.kernels.gdn.decode_cpu import native_available
 from hybrid_engine.step_inputs import Segment, StepInputBuilder
 
 from spec_models import make_spec_checkpoint

@@ -1,4 +1,4 @@
-"""Another tree's kernels/cpu/blocked_linear.cpp against this tree's, in one process: the other
+"""Another tree's kernels/linear/blocked_linear.cpp against this tree's, in one process: the other
 source is built into a library of its own (op namespace hybrid_engine_cpu_base, every other
 source this tree's), and the engine's linear_blocked and mlp_blocked calls are switched
 between the two per timed run. MTP on the default model: engines at k = 0 and k = K, each
@@ -33,8 +33,8 @@ from mtp_pairs import add_arguments, load_prompts, quartiles, time_prompt  # noq
 
 from hybrid_engine.cli import build_engine, sampling_params  # noqa: E402
 from hybrid_engine.cli.bench import SteppedEngine  # noqa: E402
-from hybrid_engine.kernels.cpu import block_weight, blocked_linear, build, native_available  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
+from hybrid_engine.kernels.linear.blocked import block_weight, blocked_linear, build, native_available  # noqa: E402
+from hybrid_engine.kernels.native.isa import cpu_level  # noqa: E402
 
 SWITCHED = ("linear_blocked", "mlp_blocked")
 

@@ -23,7 +23,7 @@ mode = "compiled" if "compiled" in rest else "eager"
 os.environ.update(dict(x.split("=", 1) for x in rest if "=" in x))
 env = dict(os.environ)
 
-from hybrid_engine.kernels.cpu.isa import cpu_level, detected_level  # noqa: E402
+from hybrid_engine.kernels.native.isa import cpu_level, detected_level  # noqa: E402
 def start(tree):
     return subprocess.Popen([f"{tree}/.venv/bin/python", str(Path(__file__).resolve().parents[1] / "ab_decode_child.py"), folder, dtype, steps, mode],
                             cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

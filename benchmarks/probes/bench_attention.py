@@ -1,6 +1,6 @@
 """One attention layer's decode at Qwen3.5-0.8B head dims: the torch form (gather the cached K/V
 out of the blocks into a new tensor, then sdpa) against the native kernel that reads them in
-place (kernels/cpu/paged_attention.cpp), in the same process on the same cache.
+place (kernels/attention/paged_attention.cpp), in the same process on the same cache.
 
     python benchmarks/probes/bench_attention.py                       # contexts 512/2048/8192, batch 1/16
     python benchmarks/probes/bench_attention.py --dtypes bfloat16 --contexts 2048 --batches 1 --q 1 3
@@ -14,7 +14,7 @@ both alike. Prints ms per layer call and the ratio old / new.
 --decode CHECKPOINT: batch-1 eager decode of the engine on that checkpoint (bench_cpu.py's
 random 0.8B one) after a prompt of `context` tokens, in one engine: rounds of --steps decode
 steps with the in-place kernel, then with it turned off (this script patches
-kernels/attention.py's `can_run_native`), alternating; median step time of each. On a shared
+kernels/attention/cpu.py's `can_run_native`), alternating; median step time of each. On a shared
 machine quote the load average printed too.
 """
 
@@ -32,10 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from random_checkpoint import QWEN35_08B_CONFIG  # noqa: E402
 
-from hybrid_engine.kernels import attention as attention_module  # noqa: E402
 from hybrid_engine.kernels.attention import attend_paged, attention_layout  # noqa: E402
-from hybrid_engine.kernels.cpu import paged_attention as native  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
+from hybrid_engine.kernels.attention import cpu as native  # noqa: E402
+from hybrid_engine.kernels.native.isa import cpu_level  # noqa: E402
 
 BLOCK = 16
 
@@ -78,18 +77,18 @@ def decode(folder: str, dtype: str, context: int, steps: int, rounds: int) -> tu
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2 * steps * rounds + 2, ignore_eos=True))
     engine.step()                                              # the prefill
     engine.step()
-    kernel_check = attention_module.can_run_native
+    kernel_check = native.can_run_native
     times = {True: [], False: []}
     try:
         for _ in range(rounds):
             for in_place in (True, False):
-                attention_module.can_run_native = kernel_check if in_place else (lambda *a: False)
+                native.can_run_native = kernel_check if in_place else (lambda *a: False)
                 for _ in range(steps):
                     t = time.perf_counter()
                     engine.step()
                     times[in_place].append(time.perf_counter() - t)
     finally:
-        attention_module.can_run_native = kernel_check
+        native.can_run_native = kernel_check
     return statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
 
 

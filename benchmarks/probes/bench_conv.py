@@ -1,5 +1,5 @@
-"""The GDN conv update of decode and verify steps: the torch form (kernels/conv/causal_conv1d.py
-`causal_conv1d_update_torch`, ~12 ops) against the native kernel (kernels/cpu/causal_conv1d_update.cpp,
+"""The GDN conv update of decode and verify steps: the torch form (kernels/conv/reference.py
+`causal_conv1d_update_torch`, ~12 ops) against the native kernel (kernels/conv/causal_conv1d_update.cpp,
 one call), in the same process on the same pool.
 
     python benchmarks/probes/bench_conv.py                        # default-model and 0.8B widths, batch 1/16, q 1/3
@@ -13,7 +13,7 @@ alike. Prints us per call and the ratio old / new.
 
 --ops: the operators one eager decode step of the default model runs (torch.profiler events:
 aten::* and hybrid_engine_cpu::*, nested ones included) with the kernel and with it turned off
-(this script patches kernels/conv/causal_conv1d.py's `can_run_native`), mean over --steps
+(this script patches kernels/conv/reference.py's `can_run_native`), mean over --steps
 steps. Counts do not move with the machine's load. On a shared machine quote the load
 average printed too.
 """
@@ -32,10 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 
-from hybrid_engine.kernels.conv import causal_conv1d  # noqa: E402
-from hybrid_engine.kernels.conv.causal_conv1d import causal_conv1d_update_torch  # noqa: E402
-from hybrid_engine.kernels.cpu import causal_conv1d_update as native  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
+from hybrid_engine.kernels.conv.reference import causal_conv1d_update_torch  # noqa: E402
+from hybrid_engine.kernels.conv import cpu as native  # noqa: E402
+from hybrid_engine.kernels.native.isa import cpu_level  # noqa: E402
 from hybrid_engine.kernels.slot_pool import DecodeRows  # noqa: E402
 
 K = 4
@@ -86,7 +85,7 @@ def ops_per_step(args) -> None:
     from hybrid_engine import SamplingParams
     from hybrid_engine.default_model import default_model_path
 
-    kernel_check = causal_conv1d.can_run_native
+    kernel_check = native.can_run_native
     print(f"default model, float32, eager decode, operators per step, mean over {args.steps} steps")
     for batch in args.batches:
         engine = make_engine(str(default_model_path()), "float32", batch)
@@ -99,7 +98,7 @@ def ops_per_step(args) -> None:
         counts = {}
         try:
             for on in (True, False):
-                causal_conv1d.can_run_native = kernel_check if on else (lambda *a: False)
+                native.can_run_native = kernel_check if on else (lambda *a: False)
                 engine.step()                             # one unprofiled step in the new form
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(args.steps):
@@ -110,7 +109,7 @@ def ops_per_step(args) -> None:
                         names[event.name] += 1
                 counts[on] = names
         finally:
-            causal_conv1d.can_run_native = kernel_check
+            native.can_run_native = kernel_check
         on, off = (sum(counts[k].values()) / args.steps for k in (True, False))
         print(f"batch {batch:2}: torch form {off:7.1f} ops/step, native {on:7.1f} ops/step "
               f"({off - on:.1f} fewer, {(off - on) / off:.1%})")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from bench_cpu import engine_decode, make_engine  # noqa: E402
 from hybrid_engine.default_model import default_model_path  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import cpu_level  # noqa: E402
+from hybrid_engine.kernels.native.isa import cpu_level  # noqa: E402
 
 torch.set_num_threads(2)
 load0 = os.getloadavg()[0]

@@ -1,5 +1,5 @@
-"""The fused GDN decode op (kernels/cpu/gdn_decode.py) against the composition the layer ran
-before it (kernels/fused.py `gdn_decode_torch`: the conv update op, the gates, the q/k norm and
+"""The fused GDN decode op (kernels/gdn/decode_cpu.py) against the composition the layer ran
+before it (kernels/gdn/decode.py `gdn_decode_torch`: the conv update op, the gates, the q/k norm and
 the gdn_recurrent op), on one engine in one process: eager b1 greedy decode steps, the two forms
 alternated block by block (the order flipped every round) so load drift hits both alike.
 
@@ -28,7 +28,7 @@ from bench_cpu import DECODE_PROMPT_LEN, MAX_MODEL_LEN, make_engine, prompts  # 
 
 from hybrid_engine import SamplingParams  # noqa: E402
 from hybrid_engine.default_model import default_model_path  # noqa: E402
-from hybrid_engine.kernels.cpu import gdn_decode as native  # noqa: E402
+from hybrid_engine.kernels.gdn import decode_cpu as native  # noqa: E402
 
 
 def top_level_ops(engine, steps: int) -> collections.Counter:

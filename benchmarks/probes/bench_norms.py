@@ -1,4 +1,4 @@
-"""The native RMSNorms (kernels/cpu/rms_norm.cpp) against their torch forms (issue 16).
+"""The native RMSNorms (kernels/norm/rms_norm.cpp) against their torch forms (issue 16).
 
     python benchmarks/probes/bench_norms.py                       # per-call times at 0.8B shapes, 1 and 16 rows
     python benchmarks/probes/bench_norms.py --rows 1,16,512 --threads 2
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: be
 def per_call(rows: int, dtype, reps: int, number: int) -> dict[str, tuple[float, float]]:
     import torch
 
-    from hybrid_engine.kernels import fused, norm, rope_cos_sin
+    from hybrid_engine.kernels import rope_cos_sin
+    from hybrid_engine.kernels.norm import cpu as native, reference
 
     g = torch.Generator().manual_seed(0)
     x, h = (3 * torch.randn(2, rows, 1024, generator=g)).to(dtype)
@@ -41,12 +42,12 @@ def per_call(rows: int, dtype, reps: int, number: int) -> dict[str, tuple[float,
     w_q, w_k = (0.1 * torch.randn(2, 256, generator=g)).to(dtype)
     cos, sin = rope_cos_sin(torch.arange(rows) + 40, 64, 1e7, dtype)
     pairs = {
-        "rms_norm": (lambda: norm.rms_norm_torch(x, w, 1e-6), lambda: norm.rms_norm(x, w, 1e-6)),
-        "add_rms_norm": (lambda: norm.add_rms_norm_torch(x, h, w, 1e-6), lambda: norm.add_rms_norm(x, h, w, 1e-6)),
-        "gated_rms_norm": (lambda: norm.gated_rms_norm_torch(o, z, w_gated, 1e-6),
-                           lambda: norm.gated_rms_norm(o, z, w_gated, 1e-6)),
-        "qk_norm_rope": (lambda: fused.qk_norm_rope_torch(q, k, w_q, w_k, 1e-6, cos, sin),
-                         lambda: fused.qk_norm_rope(q, k, w_q, w_k, 1e-6, cos, sin)),
+        "rms_norm": (lambda: reference.rms_norm_torch(x, w, 1e-6), lambda: native.rms_norm(x, w, 1e-6)),
+        "add_rms_norm": (lambda: reference.add_rms_norm_torch(x, h, w, 1e-6), lambda: native.add_rms_norm(x, h, w, 1e-6)),
+        "gated_rms_norm": (lambda: reference.gated_rms_norm_torch(o, z, w_gated, 1e-6),
+                           lambda: native.gated_rms_norm(o, z, w_gated, 1e-6)),
+        "qk_norm_rope": (lambda: reference.qk_norm_rope_torch(q, k, w_q, w_k, 1e-6, cos, sin),
+                         lambda: native.qk_norm_rope(q, k, w_q, w_k, 1e-6, cos, sin)),
     }
     out = {}
     with torch.inference_mode():
@@ -70,18 +71,18 @@ def decode_step(model: str, dtype: str, block: int, rounds: int) -> None:
 
     from bench_cpu import DECODE_PROMPT_LEN, make_engine, prompts
     from hybrid_engine import SamplingParams
-    from hybrid_engine.kernels import fused, norm
+    from hybrid_engine.kernels.norm import cpu as native
 
     engine = make_engine(model, dtype, 1)
     vocab = engine.model_config.vocab_size
     engine.add_request(prompts(vocab, 1, DECODE_PROMPT_LEN, 0)[0],
                        SamplingParams(temperature=0.0, max_tokens=8 + 2 * rounds * (block + 1), ignore_eos=True))
     engine.step()
-    routes = {"native": (norm.can_run_native, fused.can_run_qk_norm_rope),
+    routes = {"native": (native.can_run_native, native.can_run_qk_norm_rope),
               "torch forms": (lambda *a: False, lambda *a: False)}
 
     def use(route):
-        norm.can_run_native, fused.can_run_qk_norm_rope = routes[route]
+        native.can_run_native, native.can_run_qk_norm_rope = routes[route]
 
     class CountOps(TorchDispatchMode):
         def __init__(self):
@@ -129,7 +130,7 @@ def main() -> None:
 
     import torch
 
-    from hybrid_engine.kernels.cpu.isa import cpu_level
+    from hybrid_engine.kernels.native.isa import cpu_level
 
     torch.set_num_threads(args.threads)
     print(f"level {cpu_level()}, {args.threads} threads, load average {os.getloadavg()}")

@@ -5,7 +5,7 @@ mv probe of bench_cpu.py measured in the same process.
     python benchmarks/probes/bench_projections.py --dtype bfloat16 --rows 1
     HYBRID_ENGINE_CPU_ISA=avx2 python benchmarks/probes/bench_projections.py --dtype float32
 
-The level is the process's own (kernels/cpu/isa.py; lower it with HYBRID_ENGINE_CPU_ISA). Every
+The level is the process's own (kernels/native/isa.py; lower it with HYBRID_ENGINE_CPU_ISA). Every
 weight is held in enough copies to exceed the last-level cache (a decode step reads 1.5-3 GB,
 so no weight is cache-hot there), and calls cycle through them. Forms are alternated round by
 round so load drift hits all alike; each figure is the median over rounds. `chosen` is the
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/: bench_cpu, random_checkpoint, ...
 from bench_cpu import bandwidth_probe  # noqa: E402
 
-from hybrid_engine.kernels.cpu.blocked import block_weight, blocked_linear, native_available  # noqa: E402
-from hybrid_engine.kernels.cpu.isa import cpu_level, onednn_packs  # noqa: E402
-from hybrid_engine.kernels.cpu.projection import choose_projection  # noqa: E402
+from hybrid_engine.kernels.linear.blocked import block_weight, blocked_linear, native_available  # noqa: E402
+from hybrid_engine.kernels.native.isa import cpu_level, onednn_packs  # noqa: E402
+from hybrid_engine.kernels.linear.cpu import choose_projection  # noqa: E402
 
 # (name, out, in, count per step) at Qwen3.5-0.8B dims, the merged weights the layers call
 SHAPES = [

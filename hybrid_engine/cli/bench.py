@@ -190,7 +190,7 @@ def _report(results: list[Measured], params, args, model: tuple[str, str], num_p
     """model: (folder, dtype)."""
     import torch
 
-    from ..kernels.cpu.isa import cpu_level, detected_level
+    from ..kernels.native.isa import cpu_level, detected_level
 
     base = results[0]
     base_wall = _median(base.walls)
@@ -217,7 +217,7 @@ def _report(results: list[Measured], params, args, model: tuple[str, str], num_p
         "prompts": args.prompts or "built-in", "max_tokens": params.max_tokens,
         "temperature": params.temperature, "repeats": args.repeats, "batch_size": args.batch_size,
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
-        # The instruction-set level the CPU kernels ran at (kernels/cpu/isa.py) and the CPU's own:
+        # The instruction-set level the CPU kernels ran at (kernels/native/isa.py) and the CPU's own:
         # a figure means little without it (an AVX2 and an AVX-512 machine differ 2x).
         "cpu_level": cpu_level(), "cpu_detected_level": detected_level(),
         "results": rows, "best_k": best["k"], "best_speedup": best["speedup"],

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..norm import scalar
+from ..norm.reference import scalar
 
 
 def normalize_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float | None,

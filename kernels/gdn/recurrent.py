@@ -9,8 +9,8 @@ memory traffic on S (1 MB per request per layer at Qwen3.5-0.8B dims), not arith
 S' = a S + k u^T and u = beta (v - a S^T k), the output needs no second read of S':
 o = S'^T q = a S^T q + (k . q) u, so one bmm of the stacked [k; q] against S gives both reads.
 The cpu backend runs decode and verify steps of any state size as one native call per layer
-that reads and writes each state once per token (kernels/cpu/gdn_recurrent.cpp, through
-kernels/cpu/forms.py); the torch forms below are its reference. Plain decode
+that reads and writes each state once per token (kernels/gdn/gdn_recurrent.cpp, through
+recurrent_cpu.py); the torch forms below are its reference. Plain decode
 (T = 1, every request writing back to its read slot) with large states updates each request's
 state where it lives in the pool: gathering the batch into a copy and scattering it back would
 add two more passes over every state, and one request's state stays in L2 between its read and

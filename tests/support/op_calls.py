@@ -1,4 +1,4 @@
-"""The calls of a native op (kernels/cpu/ops.py) as torch's profiler recorded them: the ops run
+"""The calls of a native op (kernels/native/ops.py) as torch's profiler recorded them: the ops run
 in C++, so there is no Python function of theirs to wrap and count."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run under Triton's CPU interpreter, which must be switched on
 before triton (or fla) is first imported, plus the project's shim for the interpreter's two
-gaps (kernels/triton/interpreter_shim.py). With a GPU the same tests run compiled.
+gaps (kernels/triton_support/interpreter_shim.py). With a GPU the same tests run compiled.
 The default test run leaves this folder out (tests/conftest.py, HYBRID_ENGINE_TRITON_TESTS).
 """
 
@@ -18,7 +18,7 @@ if not ON_GPU:
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before tests/triton/conftest.py could set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
-    from hybrid_engine.kernels.triton.interpreter_shim import install
+    from hybrid_engine.kernels.triton_support.interpreter_shim import install
 
     install()
     torch.set_num_threads(1)          # the interpreter is numpy-bound; a shared 2-core box

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.cuda_graph_steps import CudaGraphSteps
-from hybrid_engine.kernels.triton import attention as triton_attention
-from hybrid_engine.kernels.triton import common as triton_common
+from hybrid_engine.kernels.attention import triton as triton_attention
+from hybrid_engine.kernels.triton_support import common as triton_common
 
 PROMPTS = [[5, 17, 3, 99, 250, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 7]]
 MAX_TOKENS = [5, 3, 4]                 # finishing at different steps: batches of 3, 2 and 1

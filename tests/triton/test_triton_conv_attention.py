@@ -8,7 +8,9 @@ import torch
 from kernel_cases import paged_kv_case
 from triton_cases import TORCH, make_cu
 
-from hybrid_engine.kernels import triton as tk
+from hybrid_engine.kernels import triton_backend
+
+tk = triton_backend()     # the triton form of every op (the torch form where it has none)
 
 # ---------------------------------------------------------------- causal conv1d
 

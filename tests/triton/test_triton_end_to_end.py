@@ -7,11 +7,13 @@ whose rows carry k+1 tokens).
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.kernels import triton as tk
+from hybrid_engine.kernels.backends import OP_NAMES, TRITON_FORMS
 
 PROMPTS = [[5, 17, 3, 99, 250, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -22,7 +24,7 @@ def model_cache(tmp_path_factory):
 
 
 def _generate(backend, spec, device, cache_dir, monkeypatch):
-    # The engine's build cache (kernels/cpu/build.py): this test's own, not the user's.
+    # The engine's build cache (kernels/native/build.py): this test's own, not the user's.
     monkeypatch.setenv("HYBRID_ENGINE_CACHE_DIR", str(cache_dir))
     llm = LLM(dtype="float32", device=device, block_size=4, speculative_config=spec, kernel_backend=backend)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
@@ -45,9 +47,11 @@ def test_triton_generation_matches_torch(device, spec, model_cache, monkeypatch)
 
 def _count_triton_calls(monkeypatch) -> dict[str, int]:
     calls: dict[str, int] = {}
-    for name in tk.__all__:
-        def counted(*args, _op=getattr(tk, name), _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _op(*args, **kwargs)
-        monkeypatch.setattr(tk, name, counted)
+    for path in TRITON_FORMS:
+        module = importlib.import_module(f"hybrid_engine.kernels.{path}")
+        for name in filter(lambda name: hasattr(module, name), OP_NAMES):
+            def counted(*args, _op=getattr(module, name), _name=name, **kwargs):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _op(*args, **kwargs)
+            monkeypatch.setattr(module, name, counted)
     return calls

@@ -11,7 +11,9 @@ import torch
 from triton_cases import TORCH, make_cu
 
 from hybrid_engine import kernels
-from hybrid_engine.kernels import triton as tk
+from hybrid_engine.kernels import triton_backend
+
+tk = triton_backend()     # the triton form of every op (the torch form where it has none)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels need a GPU")
 

@@ -8,7 +8,9 @@ import torch
 from triton_cases import TORCH
 
 from hybrid_engine import kernels
-from hybrid_engine.kernels import triton as tk
+from hybrid_engine.kernels import triton_backend
+
+tk = triton_backend()     # the triton form of every op (the torch form where it has none)
 
 
 def _qk(device, T=5, nh=4, nkv=2, hd=32, seed=30):
