@@ -99,7 +99,7 @@ class DecodeGraphs:
             "cu_seqlens": BufferSpec((), i64, pad=cu_pad, extra_rows=1),
             "seq_lens": BufferSpec((), i64, pad=L),
             "block_tables": BufferSpec((max_blocks,), i64, pad=0),
-            "state_slots": BufferSpec((), i64, pad=self.cache.pad_slot),
+            "state_slots": BufferSpec((), i64, pad=self.cache.pools.pad_slot),
             "state_write_slots": BufferSpec((L,), i64, pad=-1),
         }
 
@@ -117,6 +117,6 @@ class DecodeGraphs:
                 state_write_slots=v["state_write_slots"], logits_indices=v["positions"][:0],
                 num_prefills=0, num_prefill_tokens=0, decode_len=L, kernels=self.builder.kernels,
                 attention=layout, decode_rows=PADDED_ROWS, chunks=None)
-            hidden = self.model(v["input_ids"], batch, self.cache)
+            hidden = self.model(v["input_ids"], batch, self.cache.pools)
             return hidden, self.model.compute_logits(hidden).float()
         return step

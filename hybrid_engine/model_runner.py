@@ -36,5 +36,5 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
             return self.decode_graphs.run(inputs)
         if self.compiled is not None and self.compiled.handles(inputs.batch):
-            return self.compiled.run(inputs.input_ids, inputs.batch, self.cache)
-        return self.model.forward_step(inputs.input_ids, inputs.batch, self.cache)
+            return self.compiled.run(inputs.input_ids, inputs.batch, self.cache.pools)
+        return self.model.forward_step(inputs.input_ids, inputs.batch, self.cache.pools)

@@ -64,7 +64,7 @@ class MTPDrafter:
         hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
         drafting = [i for i, c in enumerate(catchups) if c.draft]
         if not drafting:
-            self.model.mtp_forward(tokens, hidden, self._batch(segs, 0)[0], self.cache)
+            self.model.mtp_forward(tokens, hidden, self._batch(segs, 0)[0], self.cache.pools)
             return {}
         # Block tables that also cover the k-1 draft positions after the catch-up.
         batch, tables = self._batch(segs, self.k - 1)
@@ -72,17 +72,17 @@ class MTPDrafter:
         rows, seqs = self._tensor([ends[i] for i in drafting] + drafting).split(len(drafting))
         n = segs[0][2]
         if self.compiled is None:
-            drafts = self.passes(self.model, tokens, hidden, batch, self.cache, tables, rows, seqs)
+            drafts = self.passes(self.model, tokens, hidden, batch, self.cache.pools, tables, rows, seqs)
         elif n <= self.k + 1 and all(m == n for _, _, m in segs):
             # A decode-sized catch-up of segments of one length (attention needs no per-length
             # split): all of drafting in one graph.
-            drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache, tables, rows, seqs, self.passes)
+            drafts = self.compiled.run_mtp(tokens, hidden, batch, self.cache.pools, tables, rows, seqs, self.passes)
         else:
             # A prompt's catch-up (its length changes every time) stays eager; the draft
             # passes after it are one graph.
-            h, draft = self.passes.catch_up(self.model, tokens, hidden, batch, self.cache, rows)
+            h, draft = self.passes.catch_up(self.model, tokens, hidden, batch, self.cache.pools, rows)
             drafts = self.compiled.run_draft_passes(draft, h, batch.positions[rows], tables[seqs], batch.kernels,
-                                                    self.cache, self.passes)
+                                                    self.cache.pools, self.passes)
         return dict(zip([catchups[i].request_id for i in drafting], drafts.tolist()))
 
     def _tensor(self, values: list) -> torch.Tensor:
@@ -108,7 +108,7 @@ def catch_up(result: SegmentResult, hidden: torch.Tensor, cache: HybridCacheMana
         return None
     n = len(emitted) if seg.is_decode else seg.num_tokens
     start, rows = seg.start, hidden[seg.first_row:seg.first_row + n]
-    hit_hidden = None if seg.is_decode or not keep_all else cache.take_hit_hidden(req.request_id)
+    hit_hidden = None if seg.is_decode or not keep_all else cache.prefix_store.take_hit_hidden(req.request_id)
     if hit_hidden is not None:
         # After a prefix hit at L: the MTP entry at L - 1 pairs the cached h_{L-1} with this
         # request's token L, which the cached block's entry may not (one MTP token, not a block).

@@ -45,16 +45,16 @@ class _Checked:
         b = inputs.batch
         bucket = self.graphs.graphs[b.decode_len].bucket_for(b.num_decodes)
         self.seen.append((b.decode_len, b.num_decodes, bucket))
-        kv = [t.clone() for t in self.cache.kv_caches]
-        states = [t.clone() for t in self.cache.conv_states + self.cache.recurrent_states]
+        kv = [t.clone() for t in self.cache.pools.kv_caches]
+        states = [t.clone() for t in self.cache.pools.conv_states + self.cache.pools.recurrent_states]
         out = self.run(inputs)
         written = set(b.state_write_slots.flatten().tolist())
-        for before, after in zip(states, self.cache.conv_states + self.cache.recurrent_states):
+        for before, after in zip(states, self.cache.pools.conv_states + self.cache.pools.recurrent_states):
             changed = (before != after).flatten(1).any(1).nonzero().flatten().tolist()
             assert set(changed) <= written, f"a padded step wrote GDN slots {set(changed) - written}"
-            assert torch.equal(before[self.cache.pad_slot], after[self.cache.pad_slot])
+            assert torch.equal(before[self.cache.pools.pad_slot], after[self.cache.pools.pad_slot])
         kv_slots = set(b.slot_mapping.tolist())
-        for before, after in zip(kv, self.cache.kv_caches):
+        for before, after in zip(kv, self.cache.pools.kv_caches):
             changed = (before != after).any(-1).any(-1).any(1)              # [blocks, block_size]
             flat = changed.flatten().nonzero().flatten().tolist()
             assert set(flat) <= kv_slots, f"a padded step wrote KV slots {set(flat) - kv_slots}"
