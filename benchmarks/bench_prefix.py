@@ -15,7 +15,7 @@ Four measurements (--only picks some), each on a fresh engine per setting (cachi
 - no_reuse: random prompts sharing nothing: wall time with caching on vs off (target <= 3%).
 - checkpoint_cost: per checkpoint policy, the same workload with caching off and on: wall time,
   steps, checkpoints taken (at prefill vs while decoding), bytes per checkpoint and the time
-  of each checkpoint copy while decoding (HybridCacheManager.save_checkpoint, timed around each
+  of each checkpoint copy while decoding (PrefixStore.save_checkpoint, timed around each
   call; a prefill's checkpoints are written by its forward, their cost is in the wall time).
   Policies: prompt_end (one `--history`-token prompt), branch_points (`--branches` prompts
   sharing their first half, queued together: with caching on they also hit that half, so
@@ -84,8 +84,8 @@ def run(engine, prompts, max_tokens: int) -> dict:
 def time_checkpoint_copies(engine) -> list[tuple[bool, float]]:
     """Wraps the engine's save_checkpoint: each taken checkpoint appends (pending, seconds).
     pending: taken while decoding (the request's own, published when it ends)."""
-    cache, copies = engine.cache, []
-    save = cache.save_checkpoint
+    store, copies = engine.cache.prefix_store, []
+    save = store.save_checkpoint
 
     def timed(*args, pending=False, **kwargs):
         t0 = time.perf_counter()
@@ -94,8 +94,8 @@ def time_checkpoint_copies(engine) -> list[tuple[bool, float]]:
             copies.append((pending, time.perf_counter() - t0))
         return taken
 
-    cache.save_checkpoint = timed
-    reserve = cache.reserve_checkpoint
+    store.save_checkpoint = timed
+    reserve = store.reserve_checkpoint
 
     def counted(*args, **kwargs):
         # A prefill's checkpoints are written by its own forward (ForwardBatch.gdn_captures):
@@ -105,7 +105,7 @@ def time_checkpoint_copies(engine) -> list[tuple[bool, float]]:
             copies.append((False, 0.0))
         return entry
 
-    cache.reserve_checkpoint = counted
+    store.reserve_checkpoint = counted
     return copies
 
 
@@ -192,7 +192,7 @@ def bench_checkpoint_cost(folder, args, vocab) -> dict:
                          "decode_checkpoints": sum(p for p, _ in copies),
                          "copy_ms": 1e3 * statistics.median(seconds) if seconds else 0.0,
                          "copy_total_s": sum(seconds)})
-        per = engine.cache.usage()["checkpoint_bytes_total"] // engine.cache.checkpoints.size
+        per = engine.cache.usage()["checkpoint_bytes_total"] // engine.cache.prefix_store.checkpoints.size
         out[name] = {"bytes_per_checkpoint": per,
                      **{k: statistics.median(row[k] for row in rows) for k in rows[0]}}
     return out

@@ -54,7 +54,7 @@ def derive_max_num_seqs(cache_memory_bytes: int | None, max_num_batched_tokens: 
 
 def checkpoint_shortfall(cache: HybridCacheManager, budget: int, max_num_seqs: int, wanted: int) -> str:
     """The warning for a budget that keeps fewer prefix checkpoints than asked, and what it costs."""
-    kept, spec = cache.checkpoints.size, cache.spec
+    kept, spec = cache.prefix_store.checkpoints.size, cache.spec
     # What keeps them all beside today's KV blocks, at least one block per checkpoint.
     more = ((wanted - kept) * CheckpointPool.bytes_per_checkpoint(spec)
             + max(wanted - cache.num_blocks, 0) * spec.bytes_per_block)
@@ -91,6 +91,6 @@ def build_cache(config: EngineConfig, spec: CacheSpec, k: int, tokens_per_seq: i
     # MTP layer rewrites its KV at a prefix hit's last position: that block is copied, not shared.
     cache = HybridCacheManager.from_budget(spec, budget, config.max_num_seqs, k, device=config.device,
                                            num_checkpoints=num_checkpoints, copy_last_hit_block=k > 0)
-    if cache.checkpoints.size < num_checkpoints:
+    if cache.prefix_store.checkpoints.size < num_checkpoints:
         warnings.warn(checkpoint_shortfall(cache, budget, config.max_num_seqs, num_checkpoints), stacklevel=3)
     return cache

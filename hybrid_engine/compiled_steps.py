@@ -41,6 +41,7 @@ from hybrid_engine.kernels.native.ops import graph_cache_tag
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
+from hybrid_engine.state_cache import CachePools
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
 from .draft_inputs import DraftInputs
@@ -58,8 +59,8 @@ MTP_REPLAYS = 8
 
 
 class CompiledSteps(EagerSteps):
-    def __init__(self, model: HybridForCausalLM, cache: LayerCaches):
-        super().__init__(model, cache)
+    def __init__(self, model: HybridForCausalLM, caches: CachePools):
+        super().__init__(model, caches)
         # Where eager steps would use oneDNN-packed weights (CPU bf16/fp16: kernels/linear/cpu.py),
         # inductor's freezing packs them (weights become constants of the graph, packed once;
         # the model keeps its own copy, about one more weight-size of memory). In float32 it
@@ -105,18 +106,18 @@ class CompiledSteps(EagerSteps):
                 _mark_dynamic(input_ids, self._last_traceable)
             self._last_batch = batch
             input_ids = self._last_ids
-        return self._decode_replay.call(self._decode, input_ids, self._last_traceable, self.cache)
+        return self._decode_replay.call(self._decode, input_ids, self._last_traceable, self.caches)
 
     def draft(self, d: DraftInputs, passes: DraftPasses) -> torch.Tensor:
         """A decode-sized catch-up and its k-1 draft passes as one graph; after a prompt's
         catch-up (its length changes every time), which stays eager, the draft passes alone."""
         if not d.one_length:
-            h, draft = passes.catch_up(self.model, d.tokens, d.hidden, d.batch, self.cache, d.rows)
+            h, draft = passes.catch_up(self.model, d.tokens, d.hidden, d.batch, self.caches, d.rows)
             last, tables = d.batch.positions[d.rows], d.tables[d.seqs]
             for t in (draft, h, last, tables):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
-            return self._mtp_continued(draft, h, last, tables, d.batch.kernels, self.cache, passes)
+            return self._mtp_continued(draft, h, last, tables, d.batch.kernels, self.caches, passes)
         inputs = (d.tokens, d.hidden, d.batch, d.tables, d.rows, d.seqs)
         seen = next((i for i, (earlier, _) in enumerate(self._last_mtp) if same_views(inputs, earlier)), None)
         if seen is not None:
@@ -129,7 +130,7 @@ class CompiledSteps(EagerSteps):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
         self._last_mtp = [(inputs, traced), *self._last_mtp][:MTP_REPLAYS]
-        (drafts,) = self._mtp_replay.call(self._mtp, *traced[:3], self.cache, *traced[3:], passes)
+        (drafts,) = self._mtp_replay.call(self._mtp, *traced[:3], self.caches, *traced[3:], passes)
         return drafts
 
     def _decode_forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: LayerCaches

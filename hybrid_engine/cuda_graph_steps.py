@@ -32,7 +32,7 @@ import torch
 from hybrid_engine.kernels.attention import attention_layout
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import ForwardBatch, HybridForCausalLM
-from hybrid_engine.state_cache import HybridCacheManager
+from hybrid_engine.state_cache import CachePools
 
 from .model_runner import EagerSteps
 from .step_inputs import StepInputBuilder, StepInputs
@@ -53,9 +53,9 @@ def graphs_supported(model: HybridForCausalLM) -> bool:
 
 
 class CudaGraphSteps(EagerSteps):
-    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager, builder: StepInputBuilder,
+    def __init__(self, model: HybridForCausalLM, caches: CachePools, builder: StepInputBuilder,
                  decode_lens: Sequence[int], buckets: Sequence[int], capture: bool, warmup_runs: int = 2):
-        super().__init__(model, cache)
+        super().__init__(model, caches)
         self.builder = builder
         self.decode_lens = sorted(set(decode_lens))
         self.buckets = sorted(set(buckets))
@@ -118,7 +118,7 @@ class CudaGraphSteps(EagerSteps):
         b.cu_seqlens[n:bucket + 1].copy_(L * self._steps[n:bucket + 1])
         b.seq_lens[n:bucket].fill_(L)
         b.block_tables[n:bucket].zero_()
-        b.state_slots[n:bucket].fill_(self.cache.pad_slot)
+        b.state_slots[n:bucket].fill_(self.caches.pad_slot)
         b.state_write_slots[n:bucket, :L].fill_(-1)
 
     def _step(self, L: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,5 +134,5 @@ class CudaGraphSteps(EagerSteps):
             num_prefills=0, num_prefill_tokens=0, decode_len=L, kernels=b.kernels,
             attention=attention_layout(tables, seq_lens, [L] * bucket, b.block_size, slots_valid=False),
             decode_rows=PADDED_ROWS, chunks=None)
-        hidden = self.model(b.input_ids[:end], batch, self.cache)
+        hidden = self.model(b.input_ids[:end], batch, self.caches)
         return hidden, self.model.compute_logits(hidden).float()

@@ -147,7 +147,7 @@ class LLMEngine:
         concurrency = [f"{min(cfg.max_num_seqs, kv_tokens / n):.2f} for {n} tokens per request" for n in lengths]
         return (f"KV cache: {cache.num_blocks} blocks of {cfg.block_size} tokens ({kv_tokens} tokens); "
                 f"max_num_seqs {cfg.max_num_seqs}{derived}; maximum concurrency {', '.join(concurrency)}; "
-                f"{cache.checkpoints.size} prefix checkpoints")
+                f"{cache.prefix_store.checkpoints.size} prefix checkpoints")
 
     def _keyless_query_lens(self) -> frozenset[int]:
         """The query lengths whose attention reads no PagedKeys in any layer, so that steps of
@@ -157,16 +157,16 @@ class LLMEngine:
         which cost the steady state two scatters a step."""
         heads = self.model_config.num_attention_heads
         return frozenset(q for q in range(1, self.num_speculative_tokens + 2)
-                         if not any(self.kernels.attention_reads_keys(kv, heads, q) for kv in self.cache.kv_caches))
+                         if not any(self.kernels.attention_reads_keys(kv, heads, q) for kv in self.cache.pools.kv_caches))
 
     def _recurrent_prefill(self) -> bool:
         """Whether prefill segments' GDN layers run by the decode kernel (the backend says where:
         KernelBackend.gdn_decode_serves_prefill, for every GDN layer, whose activations are in
         the conv pools' dtype)."""
-        cache = self.cache
-        return bool(cache.conv_states) and all(
+        pools = self.cache.pools
+        return bool(pools.conv_states) and all(
             self.kernels.gdn_decode_serves_prefill(conv, state, self.model_config.linear_conv_kernel_dim, conv.dtype)
-            for conv, state in zip(cache.conv_states, cache.recurrent_states))
+            for conv, state in zip(pools.conv_states, pools.recurrent_states))
 
     def _execution(self) -> EagerSteps:
         """How the runner runs steps (hybrid_engine/model_runner.py): CUDA graphs for decode and
@@ -176,14 +176,14 @@ class LLMEngine:
         cfg, k = self.config, self.num_speculative_tokens
         if (not cfg.enforce_eager and torch.device(cfg.device).type == "cuda" and graphs_supported(self.model)
                 and self.kernels.name == "triton"):
-            graphs = CudaGraphSteps(self.model, self.cache, self.builder, [1, 1 + k] if k else [1],
+            graphs = CudaGraphSteps(self.model, self.cache.pools, self.builder, [1, 1 + k] if k else [1],
                                     cfg.cuda_graph_batch_sizes or default_buckets(cfg.max_num_seqs), capture=True)
             with torch.inference_mode():
                 graphs.capture()
             return graphs
         if cfg.enable_torch_compile:
-            return CompiledSteps(self.model, self.cache)
-        return EagerSteps(self.model, self.cache)
+            return CompiledSteps(self.model, self.cache.pools)
+        return EagerSteps(self.model, self.cache.pools)
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -301,12 +301,12 @@ class LLMEngine:
         u = self.cache.usage()
         return {**self.prefix.stats.as_dict(), "blocks_cached": u["blocks_cached"],
                 "checkpoints_held": u["checkpoints_published"], "checkpoints_pending": u["checkpoints_pending"],
-                "checkpoint_lengths": sorted(c.num_tokens for c in self.cache.checkpoints.published())}
+                "checkpoint_lengths": sorted(c.num_tokens for c in self.cache.prefix_store.checkpoints.published())}
 
     def reset_prefix_cache(self) -> None:
         """Forgets the cached prefixes no running request holds: later requests compute their
         prompts again (benchmarks that repeat prompts; vLLM's method of the same name)."""
-        self.cache.reset_prefix_cache()
+        self.cache.prefix_store.reset()
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -346,7 +346,7 @@ class LLMEngine:
             if batch is not None:
                 # The checkpoints reserved for this forward are published already (so that no
                 # request of this schedule could match them); perhaps unwritten, they must not be.
-                self.cache.discard_checkpoints([e for caps in batch.captures.values() for _, e in caps])
+                self.cache.prefix_store.discard([e for caps in batch.captures.values() for _, e in caps])
             for request_id in request_ids:
                 self.abort_request(request_id)
             stuck = [req.request_id for req in victims if not req.is_finished]

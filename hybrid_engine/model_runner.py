@@ -18,26 +18,26 @@ import torch
 
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
-from hybrid_engine.state_cache import HybridCacheManager
+from hybrid_engine.state_cache import CachePools
 
 from .draft_inputs import DraftInputBuilder, DraftInputs
 from .step_inputs import StepInputs
 
 
 class EagerSteps:
-    def __init__(self, model: HybridForCausalLM, cache: HybridCacheManager):
+    def __init__(self, model: HybridForCausalLM, caches: CachePools):
         self.model = model
-        self.cache = cache
+        self.caches = caches        # the cache's memory, as the model reads it
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.forward_step(inputs.input_ids, inputs.batch, self.cache)
+        return self.model.forward_step(inputs.input_ids, inputs.batch, self.caches)
 
     def draft(self, d: DraftInputs, passes: DraftPasses) -> torch.Tensor:
-        return passes(self.model, d.tokens, d.hidden, d.batch, self.cache, d.tables, d.rows, d.seqs)
+        return passes(self.model, d.tokens, d.hidden, d.batch, self.caches, d.tables, d.rows, d.seqs)
 
     def catch_up(self, d: DraftInputs) -> None:
         """A catch-up pass from which no request drafts: the MTP KV only."""
-        self.model.mtp_forward(d.tokens, d.hidden, d.batch, self.cache)
+        self.model.mtp_forward(d.tokens, d.hidden, d.batch, self.caches)
 
 
 class ModelRunner:

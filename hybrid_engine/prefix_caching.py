@@ -61,6 +61,7 @@ class PrefixStats:
 class PrefixCaching:
     def __init__(self, cache: HybridCacheManager, block_size: int, checkpoint_interval: int | None = None):
         self.cache = cache
+        self.store = cache.prefix_store
         self.block_size = block_size
         self.checkpoint_interval = checkpoint_interval
         self.stats = PrefixStats()
@@ -118,7 +119,7 @@ class PrefixCaching:
 
     def match(self, req: Request) -> PrefixHit | None:
         """The longest cached prefix the request can start from (at least one token left)."""
-        return self.cache.match_prefix(self.block_hashes(req), req.num_tokens - 1)
+        return self.store.match(self.block_hashes(req), req.num_tokens - 1)
 
     def should_wait(self, req: Request, hit: PrefixHit | None, running: list[Request]) -> bool:
         """True while a running request's prefill is still computing a longer prefix of this
@@ -157,7 +158,7 @@ class PrefixCaching:
             hashes = self.block_hashes(req)
             mine = peers.get(hashes[0], []) if hashes else []
             for p in self._checkpoint_positions(req, mine, start, start + n):
-                entry = self.cache.reserve_checkpoint(hashes[p // self.block_size - 1], p)
+                entry = self.store.reserve_checkpoint(hashes[p // self.block_size - 1], p)
                 if entry is not None:
                     reserved.append((req.request_id, p, entry))
         # A full pool evicts its least recently used entry for the next reservation, which can
@@ -180,7 +181,7 @@ class PrefixCaching:
         wanted = {last, (req.num_tokens - 1) // bs * bs}
         if self.checkpoint_interval:
             wanted.update(range(self.checkpoint_interval, last, self.checkpoint_interval))
-        cached = self.cache.num_cached_prefix_blocks(hashes)
+        cached = self.store.num_cached_blocks(hashes)
         if cached:
             wanted.add(cached * bs)
         for other in others:
@@ -188,7 +189,7 @@ class PrefixCaching:
                 shared = self._common_blocks(hashes, self.block_hashes(other))
                 if shared:
                     wanted.add(shared * bs)
-        return sorted(p for p in wanted if start < p <= end and not self.cache.has_checkpoint(hashes[p // bs - 1]))
+        return sorted(p for p in wanted if start < p <= end and not self.store.has_checkpoint(hashes[p // bs - 1]))
 
     def take_checkpoints(self, results, hidden: torch.Tensor) -> None:
         """After a step's forward, before its update (a verify's slots are still as written): the
@@ -200,7 +201,7 @@ class PrefixCaching:
             seg, req = result.segment, result.segment.request
             if not seg.is_decode:
                 for p, entry in seg.captures:
-                    self.cache.write_checkpoint_hidden(entry, hidden[seg.first_row + p - seg.start - 1])
+                    self.store.write_hidden(entry, hidden[seg.first_row + p - seg.start - 1])
                     self.stats.num_checkpoints_taken += 1
                 continue
             # Committed after this verify: start + accepted + 1 = start + emitted tokens.
@@ -212,7 +213,7 @@ class PrefixCaching:
             slot = rc.write_slot(j)
             key = self._hash_through(req, end, result.token_ids)
             row = hidden[seg.first_row + j] if self.cache.spec.hidden_size else None   # kept for MTP only
-            if self.cache.save_checkpoint(req.request_id, end, key, slot, row, pending=True):
+            if self.store.save_checkpoint(req.request_id, end, key, slot, row, pending=True):
                 self.stats.num_checkpoints_taken += 1
 
     # -- blocks -----------------------------------------------------------------------------
@@ -222,7 +223,7 @@ class PrefixCaching:
         for every request every step: most steps fill no block, and then nothing is hashed."""
         rc = self.cache.get(req.request_id)
         if rc.num_committed_tokens // self.block_size > rc.num_cached_blocks:
-            self.cache.cache_blocks(req.request_id, self.block_hashes(req))
+            self.store.cache_blocks(req.request_id, self.block_hashes(req))
 
     def before_free(self, req: Request) -> None:
         self.cache_blocks(req)

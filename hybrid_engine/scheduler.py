@@ -114,9 +114,8 @@ class Scheduler:
             start = hit.num_tokens if hit is not None else 0
             n = min(_prefill_need(req, start), budget)
             total = self._tokens_to_hold(req, start, n)
-            if not self.cache.can_admit(total, self.num_draft_slots, hit):
+            if self.cache.allocate(req.request_id, total, self.num_draft_slots, hit) is None:
                 break
-            self.cache.allocate(req.request_id, total, self.num_draft_slots, hit)
             req.num_computed_tokens = start
             if self.prefix is not None:
                 self.prefix.admitted(req, hit)
@@ -140,8 +139,8 @@ class Scheduler:
             left = []
             for sibling in siblings:
                 if (len(self.running) < self.max_num_seqs
-                        and self.cache.can_fork(parent.request_id, self.num_draft_slots, total)):
-                    self.cache.fork(parent.request_id, sibling.request_id, self.num_draft_slots)
+                        and self.cache.fork(parent.request_id, sibling.request_id, self.num_draft_slots,
+                                            total) is not None):
                     sibling.num_computed_tokens = parent.num_computed_tokens
                     sibling.num_cached_tokens = parent.num_cached_tokens     # of the prompt it shares
                     sibling.status = RequestStatus.RUNNING
@@ -168,7 +167,7 @@ class Scheduler:
     def _grow(self, req: Request, new_num_tokens: int, batch: ScheduledBatch) -> bool:
         """Grows `req` to new_num_tokens, preempting the newest running requests until it fits;
         False if `req` itself went."""
-        while not self.cache.try_grow(req.request_id, new_num_tokens):
+        while not self.cache.grow(req.request_id, new_num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             batch.preempted.append(victim)
@@ -192,7 +191,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if self.cache.has(req.request_id):
+        if req.request_id in self.cache:
             self._free(req)
         req.status = RequestStatus.FINISHED
 

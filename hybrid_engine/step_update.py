@@ -92,7 +92,7 @@ class StepUpdater:
         if seg.num_tokens == 1:
             self.cache.commit(req.request_id, req.num_computed_tokens)
             return
-        self.cache.commit_verify(req.request_id, req.num_computed_tokens, accepted)
+        self.cache.commit(req.request_id, req.num_computed_tokens, accepted)
         req.spec_stats.record(seg.num_tokens - 1, accepted)
         self.spec_stats.record(seg.num_tokens - 1, accepted)
 

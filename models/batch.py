@@ -91,7 +91,7 @@ class RecurrentPrefill:
 
 
 class LayerCaches(Protocol):
-    """What a forward needs from the cache owner (state_cache.HybridCacheManager has these).
+    """What a forward needs from the cache owner (state_cache.CachePools: HybridCacheManager.pools).
 
     kv_caches[i]: the i-th full-attention layer's `[num_blocks, 2, block_size, nkv, hd]`
     (the MTP layer's cache comes after the main model's); conv_states[j] /

@@ -68,7 +68,7 @@ def catch_up(result: SegmentResult, hidden: torch.Tensor, cache: HybridCacheMana
         return None
     n = len(emitted) if seg.is_decode else seg.num_tokens
     start, rows = seg.start, hidden[seg.first_row:seg.first_row + n]
-    hit_hidden = None if seg.is_decode or not keep_all else cache.take_hit_hidden(req.request_id)
+    hit_hidden = None if seg.is_decode or not keep_all else cache.prefix_store.take_hit_hidden(req.request_id)
     if hit_hidden is not None:
         # After a prefix hit at L: the MTP entry at L - 1 pairs the cached h_{L-1} with this
         # request's token L, which the cached block's entry may not (one MTP token, not a block).

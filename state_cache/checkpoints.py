@@ -22,8 +22,6 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-import torch
-
 from .spec import CacheSpec
 
 
@@ -35,21 +33,13 @@ class Checkpoint:
 
 
 class CheckpointPool:
-    def __init__(self, spec: CacheSpec, num_checkpoints: int, device: str | torch.device = "cpu"):
+    """Which checkpoint entry holds which prefix (the entries' memory is CachePools')."""
+
+    def __init__(self, num_checkpoints: int):
         if num_checkpoints < 0:
             raise ValueError(f"cannot keep {num_checkpoints} prefix checkpoints")
         self.size = num_checkpoints
-        n = num_checkpoints
-        # As the cache's slot pools: one tensor per kind, [layers, entries, ...], so that an
-        # entry is written or read in every layer by one copy.
-        self.conv_layers = torch.zeros((spec.num_gdn_layers, n, *spec.conv_slot_shape),
-                                       dtype=spec.conv_dtype, device=device)
-        self.recurrent_layers = torch.zeros((spec.num_gdn_layers, n, *spec.recurrent_slot_shape),
-                                            dtype=spec.state_dtype, device=device)
-        self.conv = list(self.conv_layers.unbind(0))
-        self.recurrent = list(self.recurrent_layers.unbind(0))
-        self.hidden = torch.zeros((n, spec.hidden_size), dtype=spec.kv_dtype, device=device)
-        self._free: deque[int] = deque(range(n))
+        self._free: deque[int] = deque(range(num_checkpoints))
         self._published: OrderedDict[bytes, Checkpoint] = OrderedDict()   # least recently used first
         self._pending: dict[Hashable, Checkpoint] = {}
 
@@ -82,7 +72,7 @@ class CheckpointPool:
         """Where to write a checkpoint of num_tokens tokens named `key`: a published one
         (owner None) or `owner`'s pending one (its earlier pending entry is reused). None when
         one is already published under `key`, or no entry can be had without evicting a
-        pending one. The caller writes the state into the entry's tensors at once."""
+        pending one. The caller writes the state into the entry's memory at once."""
         if key in self._published:
             self._published.move_to_end(key)
             return None
@@ -127,9 +117,3 @@ class CheckpointPool:
                 del self._published[key]
                 self._free.append(entry)
                 return
-
-    def drop_pending(self, owner: Hashable) -> None:
-        ckpt = self._pending.pop(owner, None)
-        if ckpt is not None:
-            self._free.append(ckpt.entry)
-

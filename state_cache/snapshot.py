@@ -42,21 +42,22 @@ def capture_request(cache: HybridCacheManager, request_id, num_tokens: int,
                     gdn_layers: Sequence[str], attention_layers: Sequence[str]) -> dict[str, torch.Tensor]:
     """Copies of one request's committed state. `attention_layers` names the first
     len(attention_layers) KV pools (a prefix, so a caller can leave out the MTP layer)."""
-    if len(gdn_layers) != len(cache.conv_states):
-        raise ValueError(f"{len(gdn_layers)} GDN layer names for {len(cache.conv_states)} GDN pools")
-    if len(attention_layers) > len(cache.kv_caches):
-        raise ValueError(f"{len(attention_layers)} attention layer names for {len(cache.kv_caches)} KV pools")
+    pools = cache.pools
+    if len(gdn_layers) != len(pools.conv_states):
+        raise ValueError(f"{len(gdn_layers)} GDN layer names for {len(pools.conv_states)} GDN pools")
+    if len(attention_layers) > len(pools.kv_caches):
+        raise ValueError(f"{len(attention_layers)} attention layer names for {len(pools.kv_caches)} KV pools")
     rc = cache.get(request_id)
     if not 0 <= num_tokens <= rc.num_tokens:
         raise ValueError(f"request {request_id!r} holds KV for {rc.num_tokens} tokens, not {num_tokens}")
     out: dict[str, torch.Tensor] = {}
-    for name, conv, rec in zip(gdn_layers, cache.conv_states, cache.recurrent_states):
+    for name, conv, rec in zip(gdn_layers, pools.conv_states, pools.recurrent_states):
         out[f"{name}/conv"] = conv[rc.slot].detach().cpu().clone()
         out[f"{name}/recurrent"] = rec[rc.slot].detach().cpu().clone()
     bs = cache.spec.block_size
     pos = torch.arange(num_tokens)
     blocks = torch.tensor(rc.block_table, dtype=torch.int64)[pos // bs]
-    for name, kv in zip(attention_layers, cache.kv_caches):
+    for name, kv in zip(attention_layers, pools.kv_caches):
         used = kv[blocks.to(kv.device), :, (pos % bs).to(kv.device)].detach().cpu()   # [n, 2, heads, dim]
         out[f"{name}/k"] = used[:, 0].clone()
         out[f"{name}/v"] = used[:, 1].clone()

@@ -33,7 +33,7 @@ def test_a_700_kb_budget_runs_the_default_model_with_prefix_caching_on():
     so, and computes what a roomy engine computes."""
     with pytest.warns(UserWarning, match="keeps 0 of 8 GDN checkpoints.*repeated prompts are computed again"):
         tight = LLM(dtype="float32", block_size=4, max_num_seqs=4, cache_memory_bytes=700_000)
-    assert tight.engine.prefix is not None and tight.engine.cache.checkpoints.size == 0
+    assert tight.engine.prefix is not None and tight.engine.cache.prefix_store.checkpoints.size == 0
     assert tight.engine.cache.num_blocks == 28          # what it had before prefix caching was the default
     roomy = LLM(dtype="float32", block_size=4, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=16)
@@ -44,13 +44,13 @@ def test_a_700_kb_budget_runs_the_default_model_with_prefix_caching_on():
 
 def test_a_budget_short_of_the_checkpoints_asked_keeps_the_ones_it_holds(ckpt):
     probe = LLMEngine(EngineConfig(model=ckpt, dtype="float32", max_num_seqs=2)).cache
-    assert probe.checkpoints.size == 4
+    assert probe.prefix_store.checkpoints.size == 4
     per_checkpoint, per_block = CheckpointPool.bytes_per_checkpoint(probe.spec), probe.spec.bytes_per_block
     # Beside the requests' slots: a byte short of 3 checkpoints with a KV block each.
     budget = probe.usage()["state_bytes_total"] + 3 * (per_checkpoint + per_block) - 1
     with pytest.warns(UserWarning, match="keeps 2 of 4 GDN checkpoints.*fewer cached prefixes"):
         llm = LLM(model=ckpt, dtype="float32", max_num_seqs=2, cache_memory_bytes=budget)
-    assert llm.engine.cache.checkpoints.size == 2
+    assert llm.engine.cache.prefix_store.checkpoints.size == 2
     assert llm.engine.cache.num_blocks == (3 * (per_checkpoint + per_block) - 1 - 2 * per_checkpoint) // per_block
     roomy = LLM(model=ckpt, dtype="float32")
     prompt = list(range(3, 23))
@@ -72,7 +72,7 @@ def test_max_num_seqs_is_derived_from_the_budget_and_reported(ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="hybrid_engine.engine"):
         engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", cache_memory_bytes=budget))
     assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == engine.cache.num_slots == 5
-    assert engine.cache.checkpoints.size == 10
+    assert engine.cache.prefix_store.checkpoints.size == 10
     kv_tokens = engine.cache.num_blocks * 16
     assert kv_tokens >= 5 * 4096
     summary = engine.capacity_summary()

@@ -27,7 +27,7 @@ def _engine(ckpt, k, graphs: bool):
     engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", max_num_seqs=6, block_size=4,
                                     max_num_batched_tokens=64, speculative_config=spec))
     if graphs:
-        engine.runner.execution = CudaGraphSteps(engine.model, engine.cache, engine.builder, [1, 1 + k], BUCKETS,
+        engine.runner.execution = CudaGraphSteps(engine.model, engine.cache.pools, engine.builder, [1, 1 + k], BUCKETS,
                                                  capture=False)
     return engine
 
@@ -78,7 +78,7 @@ def test_padded_graph_steps_match_eager_tokens(ckpt, k):
     prompts, params, arrivals = staggered_workload()
     reference = [o.token_ids for o in run_staggered(_engine(ckpt, k, graphs=False), prompts, params, arrivals)]
     engine = _engine(ckpt, k, graphs=True)
-    checked = _Checked(engine.runner.execution, engine.cache)
+    checked = _Checked(engine.runner.execution, engine.cache.pools)
     assert [o.token_ids for o in run_staggered(engine, prompts, params, arrivals)] == reference
     used = {(L, bucket) for L, _, bucket in checked.seen}
     assert (1 + k, 2) in used and (1 + k, 4) in used
@@ -89,7 +89,7 @@ def test_padded_graph_steps_match_eager_tokens(ckpt, k):
 
 def test_steps_outside_the_buckets_run_eagerly(ckpt):
     engine = _engine(ckpt, 0, graphs=True)
-    checked = _Checked(engine.runner.execution, engine.cache)
+    checked = _Checked(engine.runner.execution, engine.cache.pools)
     for i in range(6):                                  # 6 decodes > the largest bucket (4)
         engine.add_request([i + 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     engine.step()                                       # prefill: eager

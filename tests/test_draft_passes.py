@@ -34,7 +34,7 @@ def per_pass_drafts(engine, catchups) -> dict[str, list[int]]:
     segs = [(c.start, len(c.next_tokens), table[c.request_id]) for c in catchups]
     tokens = torch.tensor([t for c in catchups for t in c.next_tokens])
     hidden = torch.cat([c.hidden for c in catchups])
-    h = model.mtp_forward(tokens, hidden, packed(segs, tokens, hidden), cache)
+    h = model.mtp_forward(tokens, hidden, packed(segs, tokens, hidden), cache.pools)
     drafting = [i for i, c in enumerate(catchups) if c.draft]
     if not drafting:
         return {}
@@ -45,7 +45,7 @@ def per_pass_drafts(engine, catchups) -> dict[str, list[int]]:
     last = [catchups[i].start + len(catchups[i].next_tokens) - 1 for i in drafting]
     for j in range(1, K):
         batch = packed([(p + j, 1, table[catchups[i].request_id]) for i, p in zip(drafting, last)], draft, h)
-        h = model.mtp_forward(draft, h, batch, cache)
+        h = model.mtp_forward(draft, h, batch, cache.pools)
         draft = model.compute_logits(h).max(dim=-1).indices
         drafts.append(draft)
     return dict(zip([catchups[i].request_id for i in drafting], torch.stack(drafts, 1).tolist()))
@@ -60,7 +60,7 @@ def test_one_call_drafting_equals_pass_by_pass(ckpt, keys):
     if keys:     # the draft passes' attention made with PagedKeys, as where no native kernel serves them
         engine.runner.drafts.keyless_query_lens = frozenset()
         engine.runner.passes = dataclasses.replace(engine.runner.passes, keyless=False)
-    run, mtp_kv = drafter.run, engine.cache.kv_caches[-1]
+    run, mtp_kv = drafter.run, engine.cache.pools.kv_caches[-1]
     seen = {"calls": 0, "batched": 0, "subset": 0, "new_block": 0}
 
     def checked(catchups):

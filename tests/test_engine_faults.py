@@ -125,7 +125,7 @@ def test_a_step_that_fails_before_running_any_request_aborts_them_all(ckpt, clea
 def test_a_failed_step_aborts_all_n_samples_of_its_requests(ckpt, monkeypatch):
     engine = make_engine(ckpt, max_num_seqs=4)
     engine.add_request(PROMPTS["a"], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=1), "r")
-    while not engine.cache.has(sample_request_id("r", 2)):
+    while sample_request_id("r", 2) not in engine.cache:
         engine.step()
     fail(monkeypatch, engine.runner, "forward")
     with pytest.raises(StepFailedError) as info:

@@ -100,14 +100,15 @@ def test_checkpoint_inside_one_chunk_equals_the_recomputed_state(ckpt):
     on = LLMEngine(EngineConfig(model=ckpt, dtype="float32", enable_prefix_caching=True))
     on.add_request(prompt, params, request_id="a")
     assert on.step()[0].finished                            # one step: prefill and its token
-    (checkpoint,) = on.cache.checkpoints.published()
+    (checkpoint,) = on.cache.prefix_store.checkpoints.published()
     assert checkpoint.num_tokens == 96
     off = LLMEngine(EngineConfig(model=ckpt, dtype="float32"))
     off.add_request(prompt[:96], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), request_id="b")
     off.step()                                              # the prefill: its slot holds the state at 96
     slot = off.cache.get("b").slot
-    pool = on.cache.checkpoints
-    for cached, recomputed in zip(pool.conv + pool.recurrent, off.cache.conv_states + off.cache.recurrent_states):
+    ours, theirs = on.cache.pools, off.cache.pools
+    for cached, recomputed in zip(ours.checkpoint_conv_states + ours.checkpoint_recurrent_states,
+                                  theirs.conv_states + theirs.recurrent_states):
         torch.testing.assert_close(cached[checkpoint.entry], recomputed[slot], **EXACT)
 
 
@@ -157,7 +158,7 @@ def test_a_failed_forward_publishes_no_unwritten_checkpoint(ckpt):
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.step()
     engine.abort_request("a")
-    assert engine.cache.checkpoints.published() == []
+    assert engine.cache.prefix_store.checkpoints.published() == []
     engine.runner.forward = forward
     engine.add_request(prompt, params, request_id="b")
     while engine.has_unfinished_requests():

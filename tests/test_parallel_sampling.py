@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.request_group import sample_request_id
-from hybrid_engine.state_cache import CacheCapacityError, CacheSpec, HybridCacheManager
+from hybrid_engine.state_cache import CacheSpec, HybridCacheManager
 
 from engine_checks import assert_no_leak, budget_for_blocks
 
@@ -90,13 +90,13 @@ def test_with_prefix_caching_the_samples_share_the_prompts_full_blocks():
     for on in (False, True):
         engine = LLM(dtype="float32", max_num_seqs=4, enable_prefix_caching=on).engine
         engine.add_request(prompt, sampled(), request_id="r")
-        while not engine.cache.has(sample_request_id("r", 1)):
+        while sample_request_id("r", 1) not in engine.cache:
             engine.step()                               # sample 0: all but the last prompt token; then forked
         tables = [engine.cache.get(sample_request_id("r", i)).block_table for i in range(4)]
         assert len({t[2] for t in tables}) == 4         # the partial block: a copy each
         shared = {tuple(t[:2]) for t in tables}
         assert len(shared) == (1 if on else 4)
-        assert engine.cache.block_ref_count(tables[0][0]) == (4 if on else 1)
+        assert engine.cache._blocks.ref_count(tables[0][0]) == (4 if on else 1)
         runs[on] = []
         while engine.has_unfinished_requests():
             runs[on] += [o for o in engine.step() if o.finished]
@@ -200,35 +200,36 @@ def tiny_cache(num_blocks=8, num_slots=6) -> HybridCacheManager:
                      value_head_dim=5, conv_dtype=torch.float32)
     cache = HybridCacheManager(spec, num_blocks, num_slots)
     g = torch.Generator().manual_seed(0)
-    for pool in (*cache.kv_caches, *cache.conv_states, *cache.recurrent_states):
+    for pool in (*cache.pools.kv_caches, *cache.pools.conv_states, *cache.pools.recurrent_states):
         pool.copy_(torch.randn(pool.shape, generator=g))
     return cache
 
 
 def pools(cache: HybridCacheManager) -> list[torch.Tensor]:
-    return [t.clone() for t in (*cache.kv_caches, *cache.conv_states, *cache.recurrent_states)]
+    return [t.clone() for t in (*cache.pools.kv_caches, *cache.pools.conv_states, *cache.pools.recurrent_states)]
 
 
 def test_fork_copies_the_committed_kv_and_state_into_memory_of_its_own():
     cache = tiny_cache()
     src = cache.allocate("a", 10, 1)
     cache.commit("a", 6)          # blocks 0..1 committed, block 2 only reserved
-    assert cache.can_fork("a", 1)
     dst = cache.fork("a", "b", 1)
+    assert dst is not None
     assert len(dst.block_table) == 2 and dst.num_tokens == dst.num_committed_tokens == 6
     assert not set(dst.block_table) & set(src.block_table) and dst.slot not in (src.slot, *src.draft_slots)
     assert len(dst.draft_slots) == 1
-    for kv in cache.kv_caches:
+    for kv in cache.pools.kv_caches:
         assert torch.equal(kv[dst.block_table], kv[src.block_table[:2]])
-    for pool in (*cache.conv_states, *cache.recurrent_states):
+    for pool in (*cache.pools.conv_states, *cache.pools.recurrent_states):
         assert torch.equal(pool[dst.slot], pool[src.slot])
     cache.free("a")               # the copy stands alone
-    assert cache.try_grow("b", 12)
+    assert cache.grow("b", 12)
     cache.free("b")
     assert cache.num_free_blocks == cache.num_blocks and cache.num_free_slots == cache.num_slots
 
 
-@pytest.mark.parametrize("case", ["unknown_src", "dst_exists", "no_blocks", "no_slots", "negative_drafts"])
+@pytest.mark.parametrize("case", ["unknown_src", "dst_exists", "no_blocks", "no_slots", "no_room_to_grow",
+                                  "negative_drafts"])
 def test_a_refused_fork_changes_nothing(case):
     cache = tiny_cache(num_blocks=5, num_slots=4)
     cache.allocate("a", 8)
@@ -237,27 +238,29 @@ def test_a_refused_fork_changes_nothing(case):
     args, error = {
         "unknown_src": (("x", "b"), KeyError),
         "dst_exists": (("a", "c"), ValueError),
-        "no_blocks": (("a", "b", 0), CacheCapacityError),     # needs 2 blocks, 2 free: take one
-        "no_slots": (("a", "b", 2), CacheCapacityError),      # needs 3 slots, 2 free
+        "no_blocks": (("a", "b", 0), None),     # needs 2 blocks, 2 free: take one
+        "no_slots": (("a", "b", 2), None),      # needs 3 slots, 2 free
+        "no_room_to_grow": (("a", "b", 0, 13), None),   # needs 4 blocks to grow to 13 tokens, 3 free
         "negative_drafts": (("a", "b", -1), ValueError),
     }[case]
     if case == "no_blocks":
         cache.allocate("d", 4)
-    before = (cache.usage(), {r: (list(cache.get(r).block_table), cache.get(r).slot) for r in "acd" if cache.has(r)},
+    before = (cache.usage(), {r: (list(cache.get(r).block_table), cache.get(r).slot) for r in "acd" if r in cache},
               pools(cache))
-    if case in ("no_blocks", "no_slots"):
-        assert not cache.can_fork(*args[:1], *args[2:])
-    with pytest.raises(error):
-        cache.fork(*args)
-    after = (cache.usage(), {r: (list(cache.get(r).block_table), cache.get(r).slot) for r in "acd" if cache.has(r)},
+    if error is None:                   # no room: refused with None
+        assert cache.fork(*args) is None
+    else:
+        with pytest.raises(error):
+            cache.fork(*args)
+    after = (cache.usage(), {r: (list(cache.get(r).block_table), cache.get(r).slot) for r in "acd" if r in cache},
              pools(cache))
     assert before[:2] == after[:2] and all(torch.equal(x, y) for x, y in zip(before[2], after[2]))
-    assert not cache.has("b")
+    assert "b" not in cache
 
 
 def held(cache: HybridCacheManager, ids) -> dict:
     return {r: (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens, c.num_committed_tokens)
-            for r in ids if cache.has(r) for c in [cache.get(r)]}
+            for r in ids if r in cache for c in [cache.get(r)]}
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["allocate", "commit", "fork", "free"]), st.integers(0, 3),
@@ -270,24 +273,28 @@ def test_random_forks_keep_ownership_disjoint_and_copy_exactly(ops):
     cache, ids = tiny_cache(num_blocks=8, num_slots=6), range(4)
     for op, a, b, tokens, drafts in ops:
         before, tensors = held(cache, ids), pools(cache)
+        done = True
         try:
             if op == "allocate":
-                cache.allocate(a, tokens, drafts)
+                done = cache.allocate(a, tokens, drafts) is not None
             elif op == "commit":
-                cache.commit(a, min(tokens, cache.get(a).num_tokens) if cache.has(a) else tokens)
+                cache.commit(a, min(tokens, cache.get(a).num_tokens) if a in cache else tokens)
             elif op == "fork":
-                cache.fork(a, b, drafts)
-                src, dst = cache.get(a), cache.get(b)
-                for kv in cache.kv_caches:
-                    assert torch.equal(kv[dst.block_table], kv[src.block_table[:len(dst.block_table)]])
-                for pool in (*cache.conv_states, *cache.recurrent_states):
-                    assert torch.equal(pool[dst.slot], pool[src.slot])
-                assert dst.num_tokens == dst.num_committed_tokens == src.num_committed_tokens
+                done = cache.fork(a, b, drafts) is not None
             else:
                 cache.free(a)
-        except (KeyError, ValueError, CacheCapacityError):
+        except (KeyError, ValueError):
+            done = False
+        if not done:
             assert held(cache, ids) == before           # refused: nothing changed
             assert all(torch.equal(x, y) for x, y in zip(tensors, pools(cache)))
+        elif op == "fork":
+            src, dst = cache.get(a), cache.get(b)
+            for kv in cache.pools.kv_caches:
+                assert torch.equal(kv[dst.block_table], kv[src.block_table[:len(dst.block_table)]])
+            for pool in (*cache.pools.conv_states, *cache.pools.recurrent_states):
+                assert torch.equal(pool[dst.slot], pool[src.slot])
+            assert dst.num_tokens == dst.num_committed_tokens == src.num_committed_tokens
         blocks = [blk for r in held(cache, ids).values() for blk in r[0]]
         slots = [s for r in held(cache, ids).values() for s in (r[1], *r[2])]
         assert len(set(blocks)) == len(blocks) == cache.num_blocks - cache.num_free_blocks

@@ -1,5 +1,5 @@
-"""The prefix cache's memory (state_cache/prefix_blocks.py, checkpoints.py, the manager's hit
-verbs): random requests over a small alphabet (so prefixes repeat), hits, forks (n samples),
+"""The prefix cache's memory (state_cache/prefix_blocks.py, checkpoints.py, prefix_store.py and the
+manager's verbs with a hit): random requests over a small alphabet (so prefixes repeat), hits, forks (n samples),
 aborts, preemption and eviction under a pool too small for them all. The simulated model writes each token id
 into its KV position and a function of the prefix into the GDN slot, so the test can see
 what a hit hands over and whether a cached block ever changes."""
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_engine.state_cache import CacheCapacityError, CacheSpec, HybridCacheManager, chain_hashes
+from hybrid_engine.state_cache import CacheSpec, HybridCacheManager, chain_hashes
 
 BS = 4
 
@@ -44,16 +44,16 @@ class Sim:
     def kv_token(self, rid, pos) -> list[float]:
         rc = self.m.get(rid)
         block, off = rc.block_table[pos // BS], pos % BS
-        return [kv[block, 0, off, 0, 0].item() for kv in self.m.kv_caches]
+        return [kv[block, 0, off, 0, 0].item() for kv in self.m.pools.kv_caches]
 
     def admit(self, rid, tokens) -> None:
         hs = self.hashes(tokens)
-        hit = self.m.match_prefix(hs, len(tokens) - 1)
-        if not self.m.can_admit(len(tokens), 1, hit):
-            with pytest.raises(CacheCapacityError):
-                self.m.allocate(rid, len(tokens), 1, hit)
-            return
+        hit = self.m.prefix_store.match(hs, len(tokens) - 1)
+        before = self.state()
         rc = self.m.allocate(rid, len(tokens), 1, hit)
+        if rc is None:                                     # refused: nothing changed
+            assert self.state() == before
+            return
         self.tokens[rid] = list(tokens)
         if hit is not None:
             self.hit_tokens += hit.num_tokens
@@ -61,28 +61,26 @@ class Sim:
             for pos in range(hit.num_tokens):              # the hit's KV is this prompt's prefix
                 assert self.kv_token(rid, pos) == [float(tokens[pos])] * 2
             expect = prefix_state(tokens[:hit.num_tokens])
-            assert [r[rc.slot].item() for r in self.m.recurrent_states] == [expect] * 2
-            assert [c[rc.slot].item() for c in self.m.conv_states] == [expect] * 2
+            assert [r[rc.slot].item() for r in self.m.pools.recurrent_states] == [expect] * 2
+            assert [c[rc.slot].item() for c in self.m.pools.conv_states] == [expect] * 2
 
     def fork(self, src, dst) -> None:
         """The n samples of one prompt: dst takes src's committed prefix (its cached blocks
         shared, the rest copied) and goes on with the same tokens."""
         tokens = self.tokens[src]
-        if not self.m.can_fork(src, 1):
-            with pytest.raises(CacheCapacityError):
-                self.m.fork(src, dst, 1)
+        before = self.state()
+        rc = self.m.fork(src, dst, 1, room_for=len(tokens))   # the scheduler's check: room for its prompt too
+        if rc is None:                                     # refused: nothing changed
+            assert self.state() == before
             return
-        if not self.m.can_fork(src, 1, len(tokens)):      # the scheduler's check: room for its prompt too
-            return
-        rc = self.m.fork(src, dst, 1)
-        assert self.m.try_grow(dst, len(tokens))
+        assert self.m.grow(dst, len(tokens))
         self.tokens[dst] = list(tokens)
         committed = rc.num_committed_tokens
         for pos in range(committed):
             assert self.kv_token(dst, pos) == [float(self.tokens[dst][pos])] * 2
         if committed:
             expect = prefix_state(self.tokens[dst][:committed])
-            assert [r[rc.slot].item() for r in self.m.recurrent_states] == [expect] * 2
+            assert [r[rc.slot].item() for r in self.m.pools.recurrent_states] == [expect] * 2
 
     def advance(self, rid, n, pending) -> None:
         """The model computes n more tokens (a prefill chunk or decodes), then the step commits."""
@@ -91,24 +89,24 @@ class Sim:
         end = min(start + n, len(toks))
         for pos in range(start, end):
             block, off = rc.block_table[pos // BS], pos % BS
-            assert self.m.cached_block_hash(block) is None, "a cached block is being written"
-            for kv in self.m.kv_caches:
+            assert self.m._blocks.hash_of(block) is None, "a cached block is being written"
+            for kv in self.m.pools.kv_caches:
                 kv[block, 0, off] = float(toks[pos])
         state = prefix_state(toks[:end])
-        for conv, rec in zip(self.m.conv_states, self.m.recurrent_states):
+        for conv, rec in zip(self.m.pools.conv_states, self.m.pools.recurrent_states):
             conv[rc.slot] = state
             rec[rc.slot] = state
         self.m.commit(rid, end)
         hs = self.hashes(toks)
-        self.m.cache_blocks(rid, hs)
+        self.m.prefix_store.cache_blocks(rid, hs)
         if end and end % BS == 0:
-            self.m.save_checkpoint(rid, end, hs[end // BS - 1], rc.slot, torch.ones(1), pending=pending)
+            self.m.prefix_store.save_checkpoint(rid, end, hs[end // BS - 1], rc.slot, torch.ones(1), pending=pending)
 
     def decode_token(self, rid, tok) -> None:
         rc = self.m.get(rid)
         if rc.num_committed_tokens < len(self.tokens[rid]):
             return
-        if not self.m.try_grow(rid, len(self.tokens[rid]) + 1):
+        if not self.m.grow(rid, len(self.tokens[rid]) + 1):
             return self.free(rid)                          # preempted by recompute
         self.tokens[rid].append(tok)
 
@@ -116,17 +114,24 @@ class Sim:
         self.m.free(rid)
         del self.tokens[rid]
 
+    def state(self) -> tuple:
+        """Who holds what, and the cache's counts: a refused verb leaves them as they were."""
+        held = {rid: (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens, c.num_committed_tokens)
+                for rid in self.tokens for c in [self.m.get(rid)]}
+        blocks = self.m._blocks
+        return held, self.m.usage(), [(blocks.ref_count(b), blocks.hash_of(b)) for b in range(self.m.num_blocks)]
+
     def check(self) -> None:
-        m = self.m
+        m, blocks = self.m, self.m._blocks
         holders: dict[int, int] = {}
         for rid in self.tokens:
             for b in m.get(rid).block_table:
                 holders[b] = holders.get(b, 0) + 1
         for b in range(m.num_blocks):
-            assert m.block_ref_count(b) == holders.get(b, 0), "a held block was freed (or a count is off)"
-            h = m.cached_block_hash(b)
+            assert blocks.ref_count(b) == holders.get(b, 0), "a held block was freed (or a count is off)"
+            h = blocks.hash_of(b)
             if h is not None:                               # a cached block's tokens never change
-                assert [kv[b, 0, :, 0, 0].tolist() for kv in m.kv_caches] == \
+                assert [kv[b, 0, :, 0, 0].tolist() for kv in m.pools.kv_caches] == \
                     [[float(t) for t in self.block_tokens[h]]] * 2
         u = m.usage()
         assert u["blocks_used"] == len(holders) and u["blocks_free"] + u["blocks_used"] == m.num_blocks
@@ -162,7 +167,7 @@ def test_random_requests_hits_aborts_preemption_eviction(ops, num_blocks, num_ch
         elif live and o[0] == "free":
             sim.free(live[o[1] % len(live)])
         elif o[0] == "reset":                           # forgets only what nobody holds
-            sim.m.reset_prefix_cache()
+            sim.m.prefix_store.reset()
             assert sim.m.usage()["blocks_cached_idle"] == sim.m.usage()["checkpoints_published"] == 0
         elif live and o[0] == "fork":
             sim.fork(live[o[1] % len(live)], f"r{next_id}")
@@ -173,8 +178,8 @@ def test_random_requests_hits_aborts_preemption_eviction(ops, num_blocks, num_ch
     sim.check()
     m = sim.m
     assert (m.num_free_blocks, m.num_free_slots) == (m.num_blocks, m.num_slots)
-    assert m.checkpoints.num_pending == 0
-    assert m.checkpoints.num_free + len(m.checkpoints.published()) == m.checkpoints.size
+    assert m.prefix_store.checkpoints.num_pending == 0
+    assert m.prefix_store.checkpoints.num_free + len(m.prefix_store.checkpoints.published()) == m.prefix_store.checkpoints.size
 
 
 def test_hits_happen_and_shared_blocks_count_once():
@@ -194,13 +199,13 @@ def test_hits_happen_and_shared_blocks_count_once():
     sim.admit("c", [1] * 24)
     assert sim.m.usage()["blocks_cached_idle"] == 2
     sim.admit("d", [2] * 4)
-    assert sim.m.usage()["blocks_cached_idle"] == 1 and sim.m.match_prefix(chain_hashes(prompt, BS), 8) is None
+    assert sim.m.usage()["blocks_cached_idle"] == 1 and sim.m.prefix_store.match(chain_hashes(prompt, BS), 8) is None
     sim.check()
     sim.advance("c", 8, pending=False)                  # cached and checkpointed while c holds them
-    sim.m.reset_prefix_cache()
-    hit = sim.m.match_prefix(chain_hashes([1] * 24, BS), 23)
-    assert hit is None and sim.m.num_cached_prefix_blocks(chain_hashes([1] * 24, BS)) == 2
-    assert sim.m.usage()["blocks_cached_idle"] == 0 and sim.m.checkpoints.num_free == sim.m.checkpoints.size
+    sim.m.prefix_store.reset()
+    hit = sim.m.prefix_store.match(chain_hashes([1] * 24, BS), 23)
+    assert hit is None and sim.m.prefix_store.num_cached_blocks(chain_hashes([1] * 24, BS)) == 2
+    assert sim.m.usage()["blocks_cached_idle"] == 0 and sim.m.prefix_store.checkpoints.num_free == sim.m.prefix_store.checkpoints.size
     sim.check()
 
 
@@ -208,19 +213,19 @@ def test_stale_hits_and_bad_checkpoints_are_refused():
     sim = Sim(num_blocks=4, num_slots=4, num_checkpoints=1, copy_last=False)
     sim.admit("a", [0] * 5)
     sim.advance("a", 4, pending=False)
-    hit = sim.m.match_prefix(chain_hashes([0] * 5, BS), 4)
+    hit = sim.m.prefix_store.match(chain_hashes([0] * 5, BS), 4)
     assert hit is not None and hit.num_tokens == 4
     with pytest.raises(ValueError, match="slot"):
-        sim.m.save_checkpoint("a", 4, b"k", 99)
+        sim.m.prefix_store.save_checkpoint("a", 4, b"k", 99)
     with pytest.raises(ValueError, match="block boundary"):
-        sim.m.save_checkpoint("a", 3, b"k", sim.m.get("a").slot)
+        sim.m.prefix_store.save_checkpoint("a", 3, b"k", sim.m.get("a").slot)
     with pytest.raises(ValueError, match="cannot start"):
         sim.m.allocate("b", 4, 0, hit)                  # a hit must leave a token to compute
     sim.free("a")
     sim.admit("c", [1] * 16)                             # evicts the cached block
     with pytest.raises(ValueError, match="stale"):
         sim.m.allocate("b", 5, 0, hit)
-    assert not sim.m.has("b")
+    assert "b" not in sim.m
 
 
 def test_a_fork_shares_the_cached_blocks_and_copies_the_partial_one():
@@ -232,7 +237,7 @@ def test_a_fork_shares_the_cached_blocks_and_copies_the_partial_one():
     a, b = sim.m.get("a").block_table, sim.m.get("b").block_table
     assert b[:2] == a[:2] and b[2] != a[2]
     assert sim.m.num_free_blocks == free - 1
-    assert [sim.m.block_ref_count(x) for x in a] == [2, 2, 1]
+    assert [sim.m._blocks.ref_count(x) for x in a] == [2, 2, 1]
     sim.check()
     sim.advance("b", 1, pending=False)                  # writes only its own copy
     sim.check()

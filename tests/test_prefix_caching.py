@@ -84,7 +84,7 @@ def test_gdn_state_after_a_hit_matches_the_recomputed_state(ckpts):
         out = engine.step()[0]                                 # b's whole prefill, and its first token
         assert out.num_cached_tokens == (64 if on else 0)
         rc = engine.cache.get("b")
-        states[on] = [t[rc.slot].clone() for t in engine.cache.conv_states + engine.cache.recurrent_states]
+        states[on] = [t[rc.slot].clone() for t in engine.cache.pools.conv_states + engine.cache.pools.recurrent_states]
     # The same state up to float32 rounding: b's suffix prefill runs its products on 9 rows, the
     # recompute on 73, and on an AMD EPYC MKL's float32 GEMM rounds differently by row count
     # (1.7e-6 seen, on main before this tolerance too; the native kernel is row-count invariant).
@@ -281,7 +281,7 @@ def test_caching_is_on_by_default_and_off_everywhere_when_asked(ckpts, tmp_path)
     from hybrid_engine.cli import _parse, main
 
     assert EngineConfig().enable_prefix_caching and LLM(model=ckpts["qwen3_5"]).engine.prefix is not None
-    assert LLM(model=ckpts["qwen3_5"], enable_prefix_caching=False).engine.cache.checkpoints.size == 0
+    assert LLM(model=ckpts["qwen3_5"], enable_prefix_caching=False).engine.cache.prefix_store.checkpoints.size == 0
     for command in (["generate", "x"], ["serve"], ["bench"]):
         assert _parse(command).enable_prefix_caching
         assert not _parse([*command, "--no-enable-prefix-caching"]).enable_prefix_caching

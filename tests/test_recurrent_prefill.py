@@ -92,9 +92,10 @@ def test_same_tokens_logprobs_and_checkpoints_as_the_chunked_form(ckpt, k):
             for out in engine.step():
                 if out.finished:
                     outs[out.request_id] = out.outputs[0]
-        pool = engine.cache.checkpoints
+        pool, pools = engine.cache.prefix_store.checkpoints, engine.cache.pools
         published = sorted(pool.published(), key=lambda c: (c.num_tokens, c.entry))
-        runs[recurrent] = (outs, [(c.num_tokens, [t[c.entry].clone() for t in pool.conv + pool.recurrent])
+        entries = pools.checkpoint_conv_states + pools.checkpoint_recurrent_states
+        runs[recurrent] = (outs, [(c.num_tokens, [t[c.entry].clone() for t in entries])
                                   for c in published])
         assert engine.prefix_cache_stats["hits"] >= 1
     (rec, rec_ck), (chunked, chunked_ck) = runs[True], runs[False]

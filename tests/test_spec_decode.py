@@ -64,9 +64,10 @@ def committed_state(engine, rid):
     n, bs = req.num_computed_tokens, engine.cache.spec.block_size
     pos = torch.arange(n)
     blocks = torch.tensor(rc.block_table)[pos // bs]
-    kv = [c[blocks, :, pos % bs].clone() for c in engine.cache.kv_caches[:len(engine.model_config.full_attention_layers)]]
-    conv = [c[rc.slot].clone() for c in engine.cache.conv_states]
-    rec = [c[rc.slot].clone() for c in engine.cache.recurrent_states]
+    kv_caches = engine.cache.pools.kv_caches[:len(engine.model_config.full_attention_layers)]
+    kv = [c[blocks, :, pos % bs].clone() for c in kv_caches]
+    conv = [c[rc.slot].clone() for c in engine.cache.pools.conv_states]
+    rec = [c[rc.slot].clone() for c in engine.cache.pools.recurrent_states]
     return n, conv, rec, kv
 
 
@@ -120,13 +121,13 @@ def test_stale_or_nan_state_in_free_slots_is_never_read_nor_written(spec_ckpts):
     ref = LLM(model=folder, dtype="float32").generate(prompts, params, use_tqdm=False)
     llm = LLM(model=folder, dtype="float32", speculative_config=spec(3))
     cache = llm.engine.cache
-    for t in cache.conv_states + cache.recurrent_states + cache.kv_caches:
+    for t in cache.pools.conv_states + cache.pools.recurrent_states + cache.pools.kv_caches:
         t.fill_(float("nan"))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     # Only 4 requests x (1 + 3) slots were ever handed out; every other slot is still NaN.
     used = 4 * 4
-    for t in cache.conv_states + cache.recurrent_states:
+    for t in cache.pools.conv_states + cache.pools.recurrent_states:
         untouched = t[used:]
         assert torch.isnan(untouched).all()
 
@@ -296,8 +297,8 @@ def test_speculation_off_keeps_no_mtp_weights_nor_kv_pool(spec_ckpts, tmp_path):
     attention_layers = len(off.model_config.full_attention_layers)
     assert off.model.mtp is None and off.drafter is None
     assert not any(name.startswith("mtp.") for name, _ in off.model.named_parameters())
-    assert off.cache.spec.num_attention_layers == len(off.cache.kv_caches) == attention_layers
-    assert on.model.mtp is not None and len(on.cache.kv_caches) == attention_layers + 1
+    assert off.cache.spec.num_attention_layers == len(off.cache.pools.kv_caches) == attention_layers
+    assert on.model.mtp is not None and len(on.cache.pools.kv_caches) == attention_layers + 1
     # The mtp.* tensors are still checked when they are not kept.
     import shutil
     from safetensors.torch import load_file, save_file

@@ -14,7 +14,6 @@ from hybrid_engine.state_cache import (
     CacheSpec,
     CheckpointPool,
     HybridCacheManager,
-    SlotAllocator,
 )
 
 BLOCK_SIZE = 4
@@ -30,13 +29,14 @@ def tiny_spec(**overrides) -> CacheSpec:
 
 
 def tensor_bytes(manager: HybridCacheManager) -> int:
-    tensors = manager.kv_caches + manager.conv_states + manager.recurrent_states
+    pools = manager.pools
+    tensors = pools.kv_caches + pools.conv_states + pools.recurrent_states
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def snapshot(manager: HybridCacheManager, request_ids) -> tuple:
     held = {}
-    for rid in filter(manager.has, request_ids):
+    for rid in filter(manager.__contains__, request_ids):
         c = manager.get(rid)
         held[rid] = (tuple(c.block_table), c.slot, tuple(c.draft_slots), c.num_tokens, c.num_committed_tokens)
     return held, manager.num_free_blocks, manager.num_free_slots
@@ -64,7 +64,7 @@ def test_spec_rejects_nonsense_sizes():
 
 
 @pytest.mark.parametrize("allocator_cls, kind", [(lambda n: IdPool(n, "KV block"), "KV block"),
-                                                 (SlotAllocator, "state slot")])
+                                                 (lambda n: IdPool(n, "state slot"), "state slot")])
 def test_allocator_contract(allocator_cls, kind):
     pool = allocator_cls(4)
     a = pool.allocate(3)
@@ -93,26 +93,26 @@ def test_allocator_contract(allocator_cls, kind):
 def test_tensors_have_the_documented_shapes_and_are_zero():
     spec = tiny_spec()
     m = HybridCacheManager(spec, num_blocks=5, num_slots=3)
-    assert len(m.kv_caches) == 2 and len(m.conv_states) == 3 and len(m.recurrent_states) == 3
-    for kv in m.kv_caches:
+    assert len(m.pools.kv_caches) == 2 and len(m.pools.conv_states) == 3 and len(m.pools.recurrent_states) == 3
+    for kv in m.pools.kv_caches:
         assert kv.shape == (5, 2, BLOCK_SIZE, 2, 8) and kv.dtype == torch.bfloat16
-    for conv in m.conv_states:
+    for conv in m.pools.conv_states:
         assert conv.shape == (4, 12, 3) and conv.dtype == torch.bfloat16      # 3 slots + pad_slot
-    for state in m.recurrent_states:
+    for state in m.pools.recurrent_states:
         assert state.shape == (4, 2, 4, 6) and state.dtype == torch.float32
-    assert all(not t.any() for t in m.kv_caches + m.conv_states + m.recurrent_states)
+    assert all(not t.any() for t in m.pools.kv_caches + m.pools.conv_states + m.pools.recurrent_states)
     assert tensor_bytes(m) == 5 * spec.bytes_per_block + 4 * spec.bytes_per_slot
     # one tensor per layer, not views of one another
-    assert m.kv_caches[0].data_ptr() != m.kv_caches[1].data_ptr()
+    assert m.pools.kv_caches[0].data_ptr() != m.pools.kv_caches[1].data_ptr()
 
 
 def test_slot_contents_survive_free_and_reallocate():
     m = HybridCacheManager(tiny_spec(), num_blocks=2, num_slots=1)
     slot = m.allocate("a", 1).slot
-    m.recurrent_states[0][slot].fill_(7.0)
+    m.pools.recurrent_states[0][slot].fill_(7.0)
     m.free("a")
     assert m.allocate("b", 1).slot == slot
-    assert (m.recurrent_states[0][slot] == 7.0).all()  # not zeroed: has_initial_state=False is the model's job
+    assert (m.pools.recurrent_states[0][slot] == 7.0).all()  # not zeroed: has_initial_state=False is the model's job
 
 
 # -- manager: verbs -----------------------------------------------------------------------
@@ -120,16 +120,15 @@ def test_slot_contents_survive_free_and_reallocate():
 
 def test_allocate_get_free():
     m = HybridCacheManager(tiny_spec(), num_blocks=8, num_slots=4)
-    assert m.can_admit(9, num_draft_slots=2)
     cache = m.allocate("a", 9, num_draft_slots=2)
     assert len(cache.block_table) == 3 and cache.num_tokens == 9 and len(cache.draft_slots) == 2
     assert len({cache.slot, *cache.draft_slots}) == 3
-    assert m.get("a") is cache and m.has("a") and not m.has("b")
+    assert m.get("a") is cache and "a" in m and "b" not in m
     assert (m.num_free_blocks, m.num_free_slots) == (5, 1)
     with pytest.raises(ValueError, match="'a' already holds cache memory"):
         m.allocate("a", 1)
     m.free("a")
-    assert (m.num_free_blocks, m.num_free_slots) == (8, 4) and not m.has("a")
+    assert (m.num_free_blocks, m.num_free_slots) == (8, 4) and "a" not in m
     with pytest.raises(KeyError, match="'a' holds no cache memory"):
         m.free("a")
     with pytest.raises(KeyError, match="'zz' holds no cache memory"):
@@ -138,32 +137,30 @@ def test_allocate_get_free():
 
 def test_admission_needs_both_kinds():
     m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=2)
-    assert not m.can_admit(17)  # 5 blocks > 4
-    assert not m.can_admit(4, num_draft_slots=2)  # 3 slots > 2
-    with pytest.raises(CacheCapacityError, match=r"'r' needs 1 KV blocks \(4 free\) and 3 state slots \(2 free\)"):
-        m.allocate("r", 4, num_draft_slots=2)
-    assert (m.num_free_blocks, m.num_free_slots) == (4, 2) and not m.has("r")
-    m.allocate("r", 16, num_draft_slots=1)
+    assert m.allocate("r", 17) is None  # 5 blocks > 4
+    assert m.allocate("r", 4, num_draft_slots=2) is None  # 3 slots > 2
+    assert (m.num_free_blocks, m.num_free_slots) == (4, 2) and "r" not in m   # refusals changed nothing
+    assert m.allocate("r", 16, num_draft_slots=1) is not None
     assert (m.num_free_blocks, m.num_free_slots) == (0, 0)
-    assert not m.can_admit(0)  # no slot left even for an empty prompt
+    assert m.allocate("s", 0) is None  # no slot left even for an empty prompt
 
 
-def test_try_grow_takes_blocks_only_where_they_are_free():
+def test_grow_takes_blocks_only_where_they_are_free():
     m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=2)
     table = m.allocate("a", 3).block_table
-    assert m.try_grow("a", 4)
+    assert m.grow("a", 4)
     assert len(table) == 1 and m.get("a").num_tokens == 4
     first = list(table)
-    assert m.try_grow("a", 13)
+    assert m.grow("a", 13)
     assert len(table) == 4 and table[:1] == first and m.num_free_blocks == 0
-    assert not m.try_grow("a", 17)                 # 1 more block, none free: nothing changes
+    assert not m.grow("a", 17)                 # 1 more block, none free: nothing changes
     assert len(table) == 4 and m.get("a").num_tokens == 13
-    assert m.try_grow("a", 16)
+    assert m.grow("a", 16)
     with pytest.raises(ValueError, match="would shrink it"):
-        m.try_grow("a", 12)
+        m.grow("a", 12)
 
 
-def test_commit_verify_moves_length_and_slot_together():
+def test_commit_after_a_verify_moves_length_and_slot_together():
     m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=4)
     cache = m.allocate("a", 9, num_draft_slots=3)
     slot, drafts, table = cache.slot, list(cache.draft_slots), list(cache.block_table)
@@ -172,14 +169,14 @@ def test_commit_verify_moves_length_and_slot_together():
     assert [cache.write_slot(j) for j in range(4)] == [slot, *drafts]
     m.commit("a", 5)
     assert cache.num_committed_tokens == 5
-    m.commit_verify("a", 7, accepted=2)   # last token + 2 drafts: the state after draft 2
+    m.commit("a", 7, accepted=2)   # last token + 2 drafts: the state after draft 2
     assert cache.slot == drafts[1] and cache.draft_slots == [drafts[0], slot, drafts[2]]
     assert cache.num_committed_tokens == 7 and cache.block_table == table    # no block given back
-    m.commit_verify("a", 8, accepted=0)
+    m.commit("a", 8, accepted=0)
     assert cache.slot == drafts[1] and cache.num_committed_tokens == 8
     # Refused calls change nothing: too many drafts, past the reservation, backwards.
-    for bad in [lambda: m.commit_verify("a", 9, accepted=4), lambda: m.commit_verify("a", 10, accepted=1),
-                lambda: m.commit("a", 7)]:
+    for bad in [lambda: m.commit("a", 9, accepted=4), lambda: m.commit("a", 10, accepted=1),
+                lambda: m.commit("a", 7), lambda: m.commit("a", 9, accepted=-1)]:
         with pytest.raises((IndexError, ValueError)):
             bad()
         assert cache.slot == drafts[1] and cache.num_committed_tokens == 8
@@ -251,9 +248,10 @@ def test_from_budget_gives_checkpoints_what_the_requests_leave(budget, max_num_s
             HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots, num_checkpoints=wanted)
         return
     m = HybridCacheManager.from_budget(spec, budget, max_num_seqs, draft_slots, num_checkpoints=wanted)
-    kept, blocks = m.checkpoints.size, m.num_blocks
+    kept, blocks = m.prefix_store.checkpoints.size, m.num_blocks
     assert kept <= wanted and blocks >= max(max_num_seqs, kept)
-    checkpoint_tensors = [m.checkpoints.conv_layers, m.checkpoints.recurrent_layers, m.checkpoints.hidden]
+    pools = m.pools
+    checkpoint_tensors = [pools.checkpoint_conv_layers, pools.checkpoint_recurrent_layers, pools.checkpoint_hidden]
     used = tensor_bytes(m) + sum(t.numel() * t.element_size() for t in checkpoint_tensors)
     assert used == slot_bytes + kept * per_checkpoint + blocks * per_block <= budget
     assert used + per_block > budget                            # the KV blocks take the rest
@@ -283,25 +281,29 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(rid=st.sampled_from(REQUEST_IDS), num_tokens=st.integers(0, 30), drafts=st.integers(0, 3))
     def allocate(self, rid, num_tokens, drafts):
-        if self.m.has(rid):
+        if rid in self.m:
             self.refused(ValueError, lambda: self.m.allocate(rid, num_tokens, drafts))
-        elif self.m.can_admit(num_tokens, drafts):
-            cache = self.m.allocate(rid, num_tokens, drafts)
+            return
+        fits = (self.m.spec.blocks_for(num_tokens) <= self.m.num_free_blocks
+                and 1 + drafts <= self.m.num_free_slots)
+        before = snapshot(self.m, REQUEST_IDS)
+        cache = self.m.allocate(rid, num_tokens, drafts)
+        if fits:
             assert len(cache.draft_slots) == drafts
             self.tokens[rid] = num_tokens
         else:
-            self.refused(CacheCapacityError, lambda: self.m.allocate(rid, num_tokens, drafts))
+            assert cache is None and snapshot(self.m, REQUEST_IDS) == before   # refused: nothing changed
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), extra=st.integers(0, 12))
-    def try_grow(self, data, extra):
+    def grow(self, data, extra):
         """The scheduler's verb: grow where the blocks it needs are free, else False and no change."""
         rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
         new = self.tokens[rid] + extra
         prefix = list(self.m.get(rid).block_table)
         fits = self.m.spec.blocks_for(new) - len(prefix) <= self.m.num_free_blocks
         before = snapshot(self.m, REQUEST_IDS)
-        assert self.m.try_grow(rid, new) == fits
+        assert self.m.grow(rid, new) == fits
         if fits:
             assert self.m.get(rid).block_table[: len(prefix)] == prefix
             assert len(self.m.get(rid).block_table) == self.m.spec.blocks_for(new)
@@ -311,18 +313,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
-    def commit_verify(self, data):
+    def commit(self, data):
         rid = data.draw(st.sampled_from(sorted(self.tokens, key=repr)))
         cache = self.m.get(rid)
         accepted = data.draw(st.integers(0, len(cache.draft_slots) + 1))   # one past the end: refused
         length = data.draw(st.integers(0, self.tokens[rid] + 1))           # past the reservation: refused
         if accepted > len(cache.draft_slots) or not cache.num_committed_tokens <= length <= self.tokens[rid]:
             error = ValueError if not cache.num_committed_tokens <= length <= self.tokens[rid] else IndexError
-            self.refused(error, lambda: self.m.commit_verify(rid, length, accepted))
+            self.refused(error, lambda: self.m.commit(rid, length, accepted))
             return
         held = {cache.slot, *cache.draft_slots}
         new_slot = cache.draft_slots[accepted - 1] if accepted else cache.slot
-        self.m.commit_verify(rid, length, accepted)
+        self.m.commit(rid, length, accepted)
         assert cache.slot == new_slot and {cache.slot, *cache.draft_slots} == held
         assert cache.num_committed_tokens == length
 
@@ -367,8 +369,8 @@ TestCacheMachine = CacheMachine.TestCase
 
 def test_pad_slot_is_never_handed_out():
     m = HybridCacheManager(tiny_spec(), num_blocks=4, num_slots=3)
-    assert m.pad_slot == 3 and m.conv_states[0].shape[0] == 4
+    assert m.pools.pad_slot == 3 and m.pools.conv_states[0].shape[0] == 4
     held = [m.allocate("a", 1, num_draft_slots=1), m.allocate("b", 1)]
     slots = {c.slot for c in held} | {s for c in held for s in c.draft_slots}
     assert slots == {0, 1, 2} and m.num_free_slots == 0
-    assert not m.can_admit(1)
+    assert m.allocate("c", 1) is None

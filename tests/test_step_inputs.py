@@ -167,7 +167,7 @@ def test_decode_steps_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
                 keys_seen[keyless].add(engine.builder._last_decode.inputs.batch.attention.keys is not None)
         tokens[keyless] = [outs[i] for i in ids]
         if keyless is None:
-            native = not engine.kernels.attention_reads_keys(engine.cache.kv_caches[0],
+            native = not engine.kernels.attention_reads_keys(engine.cache.pools.kv_caches[0],
                                                              engine.model_config.num_attention_heads, 1)
             assert engine.builder.keyless_query_lens == (frozenset({1}) if native else frozenset())
     assert keys_seen == {None: {not native}, frozenset(): {True}}
@@ -199,7 +199,7 @@ def test_mtp_passes_carry_attention_keys_only_where_a_layer_reads_them(ckpt):
         if keyless is None:
             heads = engine.model_config.num_attention_heads
             served = {q for q in range(1, k + 2)
-                      if not any(engine.kernels.attention_reads_keys(kv, heads, q) for kv in engine.cache.kv_caches)}
+                      if not any(engine.kernels.attention_reads_keys(kv, heads, q) for kv in engine.cache.pools.kv_caches)}
             assert engine.builder.keyless_query_lens == frozenset(served)
     assert {n for n, _ in keys_seen[None]} & {1, 2}          # drafts and some catch-ups ran
     assert keys_seen[None] == {(n, n not in served) for n, _ in keys_seen[None]}

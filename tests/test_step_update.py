@@ -40,7 +40,7 @@ def test_a_preempted_request_is_not_readmitted_by_the_same_schedule_call():
     sched.max_num_batched_tokens = 2
     second = sched.schedule()
     assert second.decodes == [a] and second.preempted == [b] and second.prefills == []
-    assert b.status == RequestStatus.WAITING and list(sched.waiting) == [b] and not cache.has("b")
+    assert b.status == RequestStatus.WAITING and list(sched.waiting) == [b] and "b" not in cache
     third = sched.schedule()               # the next call may admit it
     assert [r for r, _ in third.prefills] == [b]
 
@@ -71,7 +71,7 @@ def test_verify_steps_keep_their_kv_blocks_and_drafts_come_from_the_step_output(
     req, tables = engine.requests[rid], []
     while engine.has_unfinished_requests():
         engine.step()
-        if engine.cache.has(rid):
+        if rid in engine.cache:
             # The drafts the request will verify are exactly the ones the step's output carried
             # (none after a prefill chunk that did not sample: prefix caching ends one at the
             # prompt's last block boundary).

@@ -25,17 +25,18 @@ def measure(model: str | None, dtype: str, k: int) -> dict:
     llm = LLM(model=model, dtype=dtype, speculative_config=spec)
     engine = llm.engine
     cache = engine.cache
-    checkpoints = cache.checkpoints          # prefix caching's GDN checkpoint pool (on by default)
+    pools = cache.pools                     # with prefix caching's GDN checkpoints (on by default)
     cache_bytes = sum(t.numel() * t.element_size()
-                      for t in (cache.kv_caches + cache.conv_states + cache.recurrent_states
-                                + checkpoints.conv + checkpoints.recurrent + [checkpoints.hidden]))
+                      for t in (pools.kv_caches + pools.conv_states + pools.recurrent_states
+                                + pools.checkpoint_conv_states + pools.checkpoint_recurrent_states
+                                + [pools.checkpoint_hidden]))
     weights = [t for t in list(engine.model.parameters()) + list(engine.model.buffers()) if not t.is_meta]
     weight_bytes = sum(t.numel() * t.element_size() for t in weights if not t.is_mkldnn)
     with open("/proc/self/status") as f:
         rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return {"k": k, "rss_mib": rss_kib / 1024, "cache_mib": cache_bytes / 2**20,
-            "checkpoints": checkpoints.size,
-            "kv_pools": len(cache.kv_caches), "mtp_module": engine.model.mtp is not None,
+            "checkpoints": cache.prefix_store.checkpoints.size,
+            "kv_pools": len(pools.kv_caches), "mtp_module": engine.model.mtp is not None,
             "weight_mib": weight_bytes / 2**20, "torch": torch.__version__}
 
 

@@ -104,7 +104,7 @@ def capture_live(engine, with_mtp: bool = True) -> dict[str, dict]:
     gdn, attn = layer_names(engine, with_mtp=with_mtp and engine.drafter is not None)
     return {rid: capture_request(engine.cache, rid, req.num_computed_tokens, gdn, attn)
             for rid, req in engine.requests.items()
-            if engine.cache.has(rid) and req.num_computed_tokens > 0}
+            if rid in engine.cache and req.num_computed_tokens > 0}
 
 
 def tensor_stats(t) -> dict:
@@ -180,7 +180,7 @@ def _pools(engine) -> dict:
 
     cache, spec = engine.cache, engine.cache.spec
     u = cache.usage()
-    held = [cache.get(rid) for rid in engine.requests if cache.has(rid)]
+    held = [cache.get(rid) for rid in engine.requests if rid in cache]
     conv_slot = spec.num_gdn_layers * math.prod(spec.conv_slot_shape) * spec.conv_dtype.itemsize
     rec_slot = spec.num_gdn_layers * math.prod(spec.recurrent_slot_shape) * spec.state_dtype.itemsize
     checkpoints_held = u["checkpoints_published"] + u["checkpoints_pending"]
@@ -206,7 +206,7 @@ def _pools(engine) -> dict:
 
 
 def _request_row(engine, rid: str, req) -> dict:
-    rc = engine.cache.get(rid) if engine.cache.has(rid) else None
+    rc = engine.cache.get(rid) if rid in engine.cache else None
     return {"id": rid, "status": req.status.value, "prompt_tokens": len(req.prompt_token_ids),
             "output_tokens": len(req.output_token_ids), "kv_len": req.num_computed_tokens,
             "kv_reserved": rc.num_tokens if rc else 0, "block_table": list(rc.block_table) if rc else [],

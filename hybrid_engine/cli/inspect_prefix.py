@@ -51,8 +51,9 @@ def verify_prefix(args, prompts_of) -> int:
         while not out:                              # the step that ends turn 2's prefill
             out = [o for o in engine.step() if o.request_id == "turn-2"]
         rc = engine.cache.get("turn-2")
+        held = engine.cache.pools
         states = {f"gdn{i}/{kind}": pool[rc.slot].detach().cpu().double()
-                  for kind, pools in (("conv", engine.cache.conv_states), ("recurrent", engine.cache.recurrent_states))
+                  for kind, pools in (("conv", held.conv_states), ("recurrent", held.recurrent_states))
                   for i, pool in enumerate(pools)}
         runs[on] = {"states": states, "logprobs": out[0].logprobs[0], "cached": out[0].num_cached_tokens,
                     "prompt_tokens": len(second), "prefix": prefix_report(engine)}

@@ -9,7 +9,7 @@ def assert_no_leak(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
     assert engine.cache.num_free_slots == engine.cache.num_slots
-    pool = engine.cache.checkpoints
+    pool = engine.cache.prefix_store.checkpoints
     assert pool.num_pending == 0 and pool.num_free + len(pool.published()) == pool.size
 
 

@@ -25,7 +25,7 @@ def _engine(device, k, graphs, backend="triton"):
     engine = LLMEngine(EngineConfig(dtype="float32", device=device, block_size=4, max_num_seqs=4,
                                     speculative_config=spec, enforce_eager=True, kernel_backend=backend))
     if graphs:
-        engine.runner.execution = graphs = CudaGraphSteps(engine.model, engine.cache, engine.builder, [1, 1 + k],
+        engine.runner.execution = graphs = CudaGraphSteps(engine.model, engine.cache.pools, engine.builder, [1, 1 + k],
                                                           [2, 4], capture=device == "cuda")
         with torch.inference_mode():
             graphs.capture()
