@@ -344,9 +344,7 @@ class LLMEngine:
         request_ids = list(dict.fromkeys(req.caller_request_id for req in victims))
         try:
             if batch is not None:
-                # The checkpoints reserved for this forward are published already (so that no
-                # request of this schedule could match them); perhaps unwritten, they must not be.
-                self.cache.prefix_store.discard([e for caps in batch.captures.values() for _, e in caps])
+                self.scheduler.void(batch)
             for request_id in request_ids:
                 self.abort_request(request_id)
             stuck = [req.request_id for req in victims if not req.is_finished]

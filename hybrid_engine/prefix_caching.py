@@ -191,6 +191,10 @@ class PrefixCaching:
                     wanted.add(shared * bs)
         return sorted(p for p in wanted if start < p <= end and not self.store.has_checkpoint(hashes[p // bs - 1]))
 
+    def void_captures(self, captures: dict[str, list[tuple[int, int]]]) -> None:
+        """Discards the checkpoint entries `plan_captures` reserved for a forward that failed."""
+        self.store.discard([entry for caps in captures.values() for _, entry in caps])
+
     def take_checkpoints(self, results, hidden: torch.Tensor) -> None:
         """After a step's forward, before its update (a verify's slots are still as written): the
         hidden states of the checkpoints its prefill chunks captured, and a pending checkpoint

@@ -185,6 +185,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def void(self, batch: ScheduledBatch) -> None:
+        """Undoes what scheduling `batch` reserved beside its requests, when its step failed:
+        the checkpoint entries its prefills were to write are published already (so that no
+        request of the schedule could match them); perhaps unwritten, they must not stay."""
+        if self.prefix is not None and batch.captures:
+            self.prefix.void_captures(batch.captures)
+
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request from the queues and free all its memory."""
         if req in self.running:
