@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_engine import LLM, SamplingParams
@@ -219,6 +219,7 @@ CONFIG_VALUES = st.one_of(st.none(), st.booleans(), st.sampled_from([0, -1, 1, 2
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.dictionaries(st.sampled_from(CONFIG_KEYS), CONFIG_VALUES, min_size=1, max_size=2))
+@example(edits={"max_position_embeddings": 2})
 def test_random_config_edits_raise_only_checkpoint_or_value_errors(ckpt, tmp_path_factory, llm, edits):
     folder = edited_copy(ckpt, tmp_path_factory.mktemp("edit"), edits)
     try:
