@@ -195,15 +195,15 @@ def _inductor(freeze: bool):
 
     The C++ wrapper: a graph's own code, which calls its fused loops and extern kernels (about
     40 products and graph ops per default-model step), allocates and reinterprets buffers and
-    checks input sizes, is compiled C++ instead of Python (about 230 fewer C calls from the
-    interpreter per step: a few hundred Python statements of ~1 us each against a step of ~1 ms).
+    checks input sizes, is compiled C++ instead of Python (a few hundred fewer interpreted
+    statements per step, a visible share of a small model's step: benchmarks/history/RESULTS_LOG.md).
     The native kernels are torch ops with C++ implementations (kernels/native/ops.py), which the
     C++ wrapper calls through the dispatcher without Python. The graphs' on-disk cache is keyed
     by those ops too (kernels/native/ops.py graph_cache_tag): a cached graph compiled against other
     ops is never served.
 
     Size asserts off: the wrapper would check every input's sizes and strides at every call
-    (about 35 a default-model step; with the dims it reads, 1.7% of the step's main thread),
+    (dozens a default-model step, a measurable share of its main thread: RESULTS_LOG.md),
     which dynamo's guards have checked for a call they let through, and `same_views` for a
     replayed one."""
     tag = graph_cache_tag()

@@ -20,8 +20,8 @@ class PackedBuffers:
 
     def _host_views(self, names: tuple[str, ...], device: torch.device | str) -> None:
         # Numpy views of the buffers where they are host memory (CPU), None elsewhere: a step's
-        # host values are written through them, about 1 us an assignment where a tensor made of
-        # the list and its copy cost 5 and an add 4, ten times a step.
+        # host values are written through them: an assignment costs a fraction of a tensor made
+        # of the list and its copy, ten times a step (benchmarks/history/RESULTS_LOG.md).
         self._device = torch.device(device)
         self._host = {name: getattr(self, name).numpy() for name in names} if self._device.type == "cpu" else None
 

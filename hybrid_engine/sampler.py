@@ -94,8 +94,7 @@ def position_uniform(seed: int, position: int) -> float:
 def greedy_tokens(logits: Tensor) -> Tensor:
     """argmax over the last dim: the first maximum on ties, a NaN counted as the maximum (as
     torch's argmax). Float32 on CPU: numpy's argmax, one pass without torch's reduction set-up,
-    5-13x faster than torch's max or argmax over the last dim (2026-12-03, Zen 3 AVX2, 2 threads:
-    1.8 vs 8 us for one row of 3072, 14 vs 157 us for one row of 152k, 50 vs 674 us for four).
+    several times faster than torch's max or argmax over the last dim (benchmarks/history/RESULTS_LOG.md).
     Elsewhere max().indices: the same index, faster than argmax over large vocabularies."""
     if _numpy_argmax(logits):
         return torch.from_numpy(logits.numpy().argmax(-1))

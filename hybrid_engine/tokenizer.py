@@ -32,8 +32,8 @@ class IncrementalDetokenizer:
     decode would (a leading space, a multi-byte character split over tokens).
 
     Where the tokenizer's own decode is its backend's (`_backend_decode`), the window is
-    tokenizers' DecodeStream (the same algorithm, in Rust, one call per token: 1.9 against
-    9.6 us a token on the embedded tokenizer, 2026-12-03, Zen 3). `stream=False` keeps the
+    tokenizers' DecodeStream (the same algorithm, in Rust, one call per token: several times
+    faster a token, benchmarks/history/RESULTS_LOG.md). `stream=False` keeps the
     Python window everywhere (tests compare the two).
     """
 

@@ -12,8 +12,8 @@ the passes when eager. The eager and compiled forms run this same code.
 
 The k-1 passes' positions, KV slots, lengths and RoPE tables are computed together, once per
 step, as [k-1, D] tensors whose rows the passes take (`pass_batches`): made per pass, their
-small ops were a tenth of the passes' time in an eager step at the default model's size (k=4,
-one process alternating the two forms: 0.89-0.90x the time with them made once).
+small ops were a tenth of the passes' time in an eager step at the default model's size
+(benchmarks/history/RESULTS_LOG.md).
 """
 
 from __future__ import annotations
