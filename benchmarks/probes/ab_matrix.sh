@@ -38,8 +38,8 @@ for level in $levels; do
       args+=("${isa[@]}")
       tag="${level}_${name}_${mode}"
       echo "== $tag $(date -u +%H:%M:%S)"
-      "$py" "$here/ab_decode.py" "$base" "$new" "${args[@]}" "$out/${tag}_bm.json" | head -1
-      "$py" "$here/ab_decode.py" "$new" "$base" "${args[@]}" "$out/${tag}_mb.json" | head -1
+      "$py" "$here/ab_decode.py" "$base" "$new" "${args[@]}" "$out/${tag}_bm.json" | sed -n 1p
+      "$py" "$here/ab_decode.py" "$new" "$base" "${args[@]}" "$out/${tag}_mb.json" | sed -n 1p
     done
   done
 done
