@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.request import Request
-from hybrid_engine.state_cache import kv_slots
 from hybrid_engine.step_inputs import StepInputBuilder
 
 from checkpoints import make_hf_model, save_checkpoint
