@@ -55,7 +55,13 @@ class CachePools:
     def save_checkpoint(self, slot: int, entry: int, hidden: torch.Tensor | None) -> None:
         self.checkpoint_conv_layers.select(1, entry).copy_(self.conv_layers.select(1, slot))
         self.checkpoint_recurrent_layers.select(1, entry).copy_(self.recurrent_layers.select(1, slot))
-        if hidden is not None and self.checkpoint_hidden.shape[1]:
+        if hidden is not None:
+            self.write_checkpoint_hidden(entry, hidden)
+
+    def write_checkpoint_hidden(self, entry: int, hidden: torch.Tensor) -> None:
+        """The target's hidden state at a checkpoint's last position, where checkpoints keep one
+        (CacheSpec.hidden_size: with MTP)."""
+        if self.checkpoint_hidden.shape[1]:
             self.checkpoint_hidden[entry].copy_(hidden)
 
     def load_checkpoint(self, entry: int, slot: int) -> None:

@@ -119,8 +119,7 @@ class PrefixStore:
     def write_hidden(self, entry: int, hidden: torch.Tensor) -> None:
         """The target's hidden state at the last position of a reserved checkpoint (kept only
         for the MTP layer)."""
-        if self._spec.hidden_size:
-            self._pools.checkpoint_hidden[entry].copy_(hidden)
+        self._pools.write_checkpoint_hidden(entry, hidden)
 
     def discard(self, entries: list[int]) -> None:
         """Reserved entries whose forward failed: unpublished, their memory free again."""
