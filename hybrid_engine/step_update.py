@@ -44,7 +44,7 @@ class SegmentResult:
 class StepOutput:
     results: list[SegmentResult]        # one per segment of the step, in packing order
     drafts: dict[str, list[int]]        # request id -> the drafts its next step verifies
-    hidden: torch.Tensor | None = None  # the target's final-normed hidden rows (prefix checkpoints keep some)
+    hidden: torch.Tensor                # the target's final-normed hidden rows (prefix checkpoints keep some)
 
 
 class StepUpdater:
@@ -87,14 +87,12 @@ class StepUpdater:
             req.num_computed_tokens += seg.num_tokens
             self.cache.commit(req.request_id, req.num_computed_tokens)
             return
-        accepted = len(result.token_ids) - 1
+        accepted = len(result.token_ids) - 1            # 0 for a plain decode
         req.num_computed_tokens = seg.start + accepted + 1
-        if seg.num_tokens == 1:
-            self.cache.commit(req.request_id, req.num_computed_tokens)
-            return
         self.cache.commit(req.request_id, req.num_computed_tokens, accepted)
-        req.spec_stats.record(seg.num_tokens - 1, accepted)
-        self.spec_stats.record(seg.num_tokens - 1, accepted)
+        if seg.num_tokens > 1:                          # a verify
+            req.spec_stats.record(seg.num_tokens - 1, accepted)
+            self.spec_stats.record(seg.num_tokens - 1, accepted)
 
     def _append_token(self, req: Request, tok: int, logprobs, now: float) -> bool:
         """Appends one token and applies every stop rule (vLLM's): none fires before min_tokens;
