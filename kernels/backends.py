@@ -65,15 +65,11 @@ TRITON_FORMS = ("attention.triton", "conv.triton", "gdn.decode_triton", "gdn.tri
 
 
 def forms(modules: tuple[str, ...]) -> dict:
-    """The ops of OP_NAMES that `modules` (CPU_FORMS or TRITON_FORMS) define, by name. A name a
-    module only imports is not its form (gdn.decode_cpu calls conv.cpu's causal_conv1d_update;
-    conv.triton imports the torch conv_windows_at): taken as one, a torch form imported under an
-    op's name would replace another module's fast form, depending on the order of the list."""
+    """The ops of OP_NAMES that `modules` (CPU_FORMS or TRITON_FORMS) define, by name."""
     ops = {}
     for path in modules:
         module = importlib.import_module(f"{__package__}.{path}")
-        ops.update({name: fn for name in OP_NAMES
-                    if (fn := getattr(module, name, None)) is not None and fn.__module__ == module.__name__})
+        ops.update({name: getattr(module, name) for name in OP_NAMES if hasattr(module, name)})
     return ops
 
 
