@@ -1,7 +1,8 @@
 """Issue 39's first measurement: what torch's own CPU weight-only int8 and int4 products
 (aten._weight_int8pack_mm: int8 per output channel; aten._weight_int4pack_mm_for_cpu: int4 in
 groups) give at the 0.8B dims' projection shapes, against our float products (the cpu
-backend's linear method: blocked float32, oneDNN/blocked bf16), at decode row counts. Prints
+backend's linear method: blocked float32, oneDNN/blocked bf16) and our own int8 / int4 kernels
+(kernels/linear/quant_linear.cpp, bf16 activations), at decode row counts. Prints
 microseconds per product (median of repeats) and the bandwidth of the weight bytes each reads.
 
     python benchmarks/probes/bench_quant_products.py [ROWS ...]     (default: 1 4)
@@ -17,6 +18,7 @@ import torch
 torch.set_num_threads(int(os.environ.get("AB_THREADS", "2")))
 
 from hybrid_engine.kernels.linear.cpu import CpuLinearMethod  # noqa: E402
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod  # noqa: E402
 from hybrid_engine.kernels.native.isa import cpu_level  # noqa: E402
 from hybrid_engine.models.linear import Linear  # noqa: E402
 
@@ -49,9 +51,9 @@ def timed(fns, reps=30):
     return statistics.median(times)
 
 
-def float_layer(w: torch.Tensor) -> Linear:
+def float_layer(w: torch.Tensor, method=None) -> Linear:
     with torch.device("meta"):
-        layer = Linear(w.shape[1], w.shape[0], method=CpuLinearMethod())
+        layer = Linear(w.shape[1], w.shape[0], method=method or CpuLinearMethod())
     layer.weight_loader("w.weight", w)
     layer.process_weights_after_loading()
     return layer
@@ -60,7 +62,7 @@ def float_layer(w: torch.Tensor) -> Linear:
 def main():
     rows_list = [int(r) for r in sys.argv[1:]] or [1, 4]
     print(f"level {cpu_level()}, {torch.get_num_threads()} threads; us per product (GB/s of weight bytes read)")
-    print(f"{'shape':18s} {'rows':>4s} {'fp32 ours':>18s} {'bf16 ours':>18s} {'int8 aten':>18s} {'int4 g32 aten':>18s}")
+    print(f"{'shape':18s} {'rows':>4s} {'fp32 ours':>18s} {'bf16 ours':>18s} {'int8 aten':>18s} {'int4 g32 aten':>18s} {'int8 g32 ours':>18s} {'int4 g32 ours':>18s}")
     g = torch.Generator().manual_seed(0)
     for name, k, n in SHAPES:
         w = torch.randn(n, k, generator=g) * 0.02
@@ -75,6 +77,8 @@ def main():
                   for dt in (torch.float32, torch.bfloat16)}
         w8s = [w8.clone() for _ in range(copies(n * k))]
         packs = [packed.clone() for _ in range(copies(n * k // 2))]
+        ours = {bits: [float_layer(w, QuantizedLinearMethod(bits, GROUP, native=True))
+                       for _ in range(copies(n * k * bits // 8))] for bits in (8, 4)}
         for rows in rows_list:
             x = torch.randn(rows, k, generator=g)
             cells = []
@@ -89,6 +93,9 @@ def main():
             sz = torch.stack([s4.t(), torch.zeros_like(s4).t()], -1).contiguous().to(torch.bfloat16)
             t = timed([lambda q=q: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, q, GROUP, sz) for q in packs])
             cells.append((t, n * k // 2 + (k // GROUP) * n * 4))
+            for bits in (8, 4):
+                t = timed([lambda layer=layer: layer(xb) for layer in ours[bits]])
+                cells.append((t, n * k * bits // 8 + (k // GROUP) * n * 2))
             print(f"{name:18s} {rows:4d} " + " ".join(f"{t * 1e6:9.1f} ({b / t / 1e9:5.1f})" for t, b in cells))
         # the quantized products agree with the dequantized weights (a check, not a timing)
         xb = torch.randn(2, k, generator=g).to(torch.bfloat16)

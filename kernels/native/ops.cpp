@@ -110,6 +110,38 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
   return y;
 }
 
+// x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, K * bits / 8, 16] (int8 values
+// bits, or int4 pairs), scales float16 [N/16, K / group, 16] (kernels/linear/quantized.py).
+Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, int64_t bits, int64_t group) {
+  const int64_t k = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
+  TORCH_CHECK_VALUE(group >= 2 && k % group == 0 && (bits == 8 || group % 2 == 0), "linear_quant: group ", group,
+                    " does not divide x's ", k, " columns", bits == 4 ? " in pairs" : "");
+  const bool fits = x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                    q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 16 && q.size(1) == k * bits / 8 &&
+                    q.is_contiguous() && scales.scalar_type() == at::kHalf && scales.dim() == 3 &&
+                    scales.size(0) == q.size(0) && scales.size(1) == k / group && scales.size(2) == 16 &&
+                    scales.is_contiguous();
+  TORCH_CHECK_VALUE(fits, "linear_quant: x ", shape(x), " ", dtype_name(x), " does not fit int", bits,
+                    " weights ", shape(q), " ", dtype_name(q), " with scales ", shape(scales), " ", dtype_name(scales),
+                    " in groups of ", group);
+  const int64_t n = q.size(0) * 16;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  Tensor y = at::empty(sizes, x.options());
+  const int64_t m = k ? x.numel() / k : 0;
+  if (m == 0) return y;
+  const Tensor xc = dense(x);
+  const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
+  const auto* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
+  if (x.scalar_type() == at::kFloat)
+    quant_linear_f32(xc.const_data_ptr<float>(), qp, sp, y.mutable_data_ptr<float>(), m, n, k, bits, group, threads());
+  else
+    quant_linear_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()), qp, sp,
+                      static_cast<uint16_t*>(y.mutable_data_ptr()), m, n, k, bits, group, threads());
+  return y;
+}
+
 // W[ids] [n, k] from a blocked W (float32 [N/16, K, 16] or bf16 pairs [N/16, ceil(K/2), 16, 2]),
 // ids int64 [n]; k: W's columns (bf16's padded pair dropped).
 Tensor blocked_rows_op(const Tensor& w_blocked, const Tensor& ids, int64_t k) {
@@ -588,6 +620,7 @@ void define_ops(torch::Library& m) {
   // schemas of the ops they call, and would serve graphs compiled for the old schema.
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
   m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, int bits, int group) -> Tensor");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
@@ -610,6 +643,7 @@ void cpu_impls(torch::Library& m) {
   m.impl("linear_blocked", blocked_linear_op);
   m.impl("mlp_blocked", blocked_mlp_op);
   m.impl("blocked_rows", blocked_rows_op);
+  m.impl("linear_quant", quant_linear_op);
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);

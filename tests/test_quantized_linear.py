@@ -1,0 +1,143 @@
+"""kernels/linear/quantized.py and quant_linear.cpp: the int8 / int4 group quantization, its packed
+layout, the native product against the dequantized weights, and the linear method that holds a
+layer's weights quantized (run with HYBRID_ENGINE_CPU_ISA=avx2 too: the kernel's other width)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hybrid_engine.kernels.linear.blocked import block_weight, blocked_linear
+from hybrid_engine.kernels.linear.quantized import (QuantizedLinearMethod, dequantize, pack, quant_linear,
+                                                    quant_linear_reference, quantize, unpack)
+from hybrid_engine.kernels.native.isa import at_least
+from hybrid_engine.kernels.native.ops import native_ops
+from hybrid_engine.models.linear import Linear
+
+needs_native = pytest.mark.skipif(not at_least("avx2") or native_ops() is None, reason="level none: no native kernel")
+# The register form (decode rows) sums each group on its own, then scales it: float32 rounding
+# apart from the dequantized product; the widened form (more rows) is the dequantized product.
+REGISTER_ROWS = 8
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_follows_the_q8_0_and_q4_0_rules(bits):
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.0, 0.1, -0.3, 0.7, 0.2]])
+    qw = quantize(w, bits, 4)
+    extreme = torch.tensor([-1.0, 0.7])                # each group's value of largest magnitude
+    if bits == 8:
+        assert torch.equal(qw.scales.float(), (extreme.abs() / 127).half().float()[None])
+        assert qw.values[0, 1] == -127 and qw.values[0, 6] == 127
+    else:
+        assert torch.equal(qw.scales.float(), (extreme / -8).half().float()[None])
+        assert qw.values[0, 1] == -8 and qw.values[0, 6] == -8
+    # every value is within half a step of its scale
+    err = (dequantize(qw) - w).abs().reshape(2, 4)
+    assert (err <= qw.scales.float().reshape(2, 1).abs() / 2 + 1e-6).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 4, 8, 32]), rows=st.integers(1, 40),
+       groups=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_pack_and_unpack_round_trip(bits, group, rows, groups, seed):
+    w = torch.randn(rows, group * groups, generator=torch.Generator().manual_seed(seed))
+    qw = quantize(w, bits, group)
+    assert int(qw.values.min()) >= (-127 if bits == 8 else -8) and int(qw.values.max()) <= (127 if bits == 8 else 7)
+    q, scales = pack(qw)
+    assert q.shape == (-(-rows // 16), group * groups * bits // 8, 16) and q.dtype == torch.uint8
+    full = unpack(q, scales, bits, group)
+    assert torch.equal(full[:rows], dequantize(qw)) and not full[rows:].any()
+    ids = torch.randint(0, rows, (5,), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(unpack(q, scales, bits, group, rows=ids), dequantize(qw)[ids])
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_product_against_the_dequantized_weights(bits, group, dtype):
+    g = torch.Generator().manual_seed(bits * group)
+    n, k = 100, 512
+    qw = quantize(torch.randn(n, k, generator=g), bits, group)
+    q, scales = pack(qw)
+    blocked = block_weight(unpack(q, scales, bits, group))       # float32, N padded to 112
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        got = quant_linear(x, q, scales, bits, group)
+        want = blocked_linear(x.float(), blocked)
+        assert got.dtype == dtype and got.shape == (m, 112)
+        if m > REGISTER_ROWS:      # the dequantized float32 tiles: bitwise, then rounded once to x's dtype
+            assert torch.equal(got, want.to(dtype)), m
+        else:
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=tol, atol=tol * 10)
+        ref = quant_linear_reference(x, q, scales, bits, group)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-1 if dtype == torch.bfloat16 else 1e-4)
+
+
+@needs_native
+def test_native_product_refuses_what_does_not_fit():
+    qw = quantize(torch.randn(16, 64), 4, 32)
+    q, scales = pack(qw)
+    with pytest.raises(ValueError, match="group 24 does not divide"):
+        quant_linear(torch.randn(1, 64), q, scales, 4, 24)
+    with pytest.raises(ValueError, match="does not fit int4 weights"):
+        quant_linear(torch.randn(1, 32), q, scales, 4, 32)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        quant_linear(torch.randn(1, 64), q, scales, 2, 32)
+
+
+def test_quantize_refuses_a_group_that_does_not_divide():
+    with pytest.raises(ValueError, match="group size 32 does not divide the 48 input columns"):
+        quantize(torch.randn(4, 48), 8, 32)
+    with pytest.raises(ValueError, match="even int"):
+        quantize(torch.randn(4, 48), 4, 3)
+
+
+def _layer(weight, method, shards=None):
+    with torch.device("meta"):
+        layer = (Linear(weight.shape[1], shards=shards, method=method) if shards
+                 else Linear(weight.shape[1], weight.shape[0], method=method))
+    if shards:
+        start = 0
+        for name, rows in shards.items():
+            layer.weight_loader(f"p.{name}.weight", weight[start:start + rows])
+            start += rows
+    else:
+        layer.weight_loader("p.weight", weight)
+    layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_method_keeps_float_shards_float(native, bits):
+    g = torch.Generator().manual_seed(1)
+    shards = {"in_proj_qkv": 40, "in_proj_z": 24, "in_proj_b": 4, "in_proj_a": 4}
+    w = torch.randn(72, 64, generator=g)
+    layer = _layer(w, QuantizedLinearMethod(bits, 32, native=native, float_shards=("in_proj_b", "in_proj_a")), shards)
+    assert layer.weight.is_meta and layer.float_tail.shape == (8, 64)
+    x = torch.randn(3, 64, generator=g)
+    want = torch.cat([x @ dequantize(quantize(w[:64], bits, 32)).t(), x @ w[64:].t()], dim=-1)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    # the float rows are the loaded ones, exactly
+    assert torch.equal(layer(x)[:, 64:], x @ w[64:].t())
+
+
+def test_method_refuses_float_shards_that_are_not_the_last():
+    method = QuantizedLinearMethod(8, 32, float_shards=("in_proj_qkv",))
+    with pytest.raises(ValueError, match="not the last"):
+        _layer(torch.randn(72, 64), method, {"in_proj_qkv": 40, "in_proj_z": 24, "in_proj_b": 4, "in_proj_a": 4})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_method_rows_are_the_dequantized_rows(dtype):
+    w = torch.randn(40, 64)
+    layer = _layer(w.to(dtype), QuantizedLinearMethod(4, 32))
+    ids = torch.tensor([0, 39, 7])
+    rows = layer.rows(ids)
+    assert rows.dtype == dtype
+    assert torch.equal(rows, dequantize(quantize(w.to(dtype), 4, 32))[ids].to(dtype))
+    assert layer.method.holds_weight_elsewhere(layer)
