@@ -26,6 +26,10 @@ class EngineConfig:
     # where they build for this CPU's level, else "torch"), "torch" (the reference: torch ops
     # only), "cpu" or "triton".
     kernel_backend: str = "auto"
+    # Online weight quantization of a float checkpoint at load (hybrid_engine/quantization.py):
+    # None, "int8" or "int4", in groups of quantization_group_size input columns (None: 32).
+    quantization: str | None = None
+    quantization_group_size: int | None = None
     # CUDA only: False captures decode/verify steps as CUDA graphs at start-up (vLLM's flag).
     enforce_eager: bool = False
     cuda_graph_batch_sizes: list[int] | None = None   # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
@@ -71,6 +75,8 @@ class EngineConfig:
         if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int)
                                                     or self.cache_memory_bytes <= 0):
             raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
+        from hybrid_engine.quantization import parse_quantization
+        parse_quantization(self.quantization, self.quantization_group_size)
         from hybrid_engine.kernels.backends import BACKENDS
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")

@@ -24,6 +24,7 @@ from .engine_step import EngineStep
 from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
 from .prompt import PreparedPrompt, encode_prompt
+from .quantization import quantized_layers
 from .prefix_caching import PrefixCaching
 from .request import Request
 from .request_group import AutomaticRequestIds, RequestGroup, check_caller_request_id, sample_request_id
@@ -85,8 +86,13 @@ class LLMEngine:
         self.kernels = make_backend(config.kernel_backend, config.device)
         method = self.kernels.linear_method(compiled=config.enable_torch_compile,
                                             few_rows_copy=config.bf16_few_rows_copy)
-        self.model, self.model_config = load_model(config.model, config.dtype, config.device, with_mtp=k > 0,
-                                                   method=method)
+        # Online quantization: a method per projection layer instead (None: float weights).
+        quantized = quantized_layers(config, method, self.kernels)
+        self.model, self.model_config = load_model(
+            config.model, config.dtype, config.device, with_mtp=k > 0, method=method, methods=quantized,
+            progress=quantized.progress_bar if quantized else None)
+        if quantized:
+            quantized.report()
         self.tokenizer = load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")

@@ -31,10 +31,13 @@ class LLM:
                  enable_torch_compile: bool = False, bf16_few_rows_copy: bool = True,
                  enable_prefix_caching: bool = True, prefix_checkpoints: int | None = None,
                  prefix_checkpoint_interval: int | None = None, generation_config: str = "auto",
-                 kernel_backend: str = "auto"):
+                 kernel_backend: str = "auto", quantization: str | None = None,
+                 quantization_group_size: int | None = None):
         """generation_config: "auto" takes the default sampling parameters (used when a call
         gives none) from the model folder's generation_config.json; "vllm" ignores that file
-        (vLLM's flag and values)."""
+        (vLLM's flag and values). quantization: "int8" or "int4" quantizes a float checkpoint's
+        projections at load, in groups of quantization_group_size (default 32) input columns
+        (hybrid_engine/quantization.py says which projections)."""
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         config = EngineConfig(
@@ -44,7 +47,8 @@ class LLM:
             enforce_eager=enforce_eager, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
             enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy,
             enable_prefix_caching=enable_prefix_caching, prefix_checkpoints=prefix_checkpoints,
-            prefix_checkpoint_interval=prefix_checkpoint_interval, kernel_backend=kernel_backend)
+            prefix_checkpoint_interval=prefix_checkpoint_interval, kernel_backend=kernel_backend,
+            quantization=quantization, quantization_group_size=quantization_group_size)
         self.loop = EngineLoop(lambda: LLMEngine(config))   # built on the loop thread (engine_loop.py)
         self._generation_defaults = (load_generation_defaults(self.engine.config.model)
                                      if generation_config == "auto" else {})

@@ -41,6 +41,15 @@ class Linear(nn.Module):
         self.method.create_weights(self, in_features, self.out_features)
         self._product = functools.partial(self.method.apply, self)
 
+    def use_method(self, method: LinearMethod) -> None:
+        """Before loading: holds this layer's weights with `method` instead (a per-layer choice,
+        such as a quantization config's, made once the model's layer names are known)."""
+        if not self.weight.is_meta:
+            raise RuntimeError("use_method: the layer's weights are loaded already")
+        self.method = method
+        method.create_weights(self, self.in_features, self.out_features)
+        self._product = functools.partial(method.apply, self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x)
 

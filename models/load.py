@@ -43,13 +43,17 @@ def _checkpoint_tensors(model: HybridForCausalLM) -> dict[str, tuple[tuple[int, 
 
 
 def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-               with_mtp: bool = False, method: LinearMethod | None = None) -> tuple[HybridForCausalLM, ModelConfig]:
+               with_mtp: bool = False, method: LinearMethod | None = None,
+               methods: Callable[[str, Linear], LinearMethod] | None = None,
+               progress: Callable | None = None) -> tuple[HybridForCausalLM, ModelConfig]:
     """with_mtp: keep the checkpoint's MTP head (for speculative decoding). Its `mtp.*` tensors
     are read and checked either way (unless config.json's mtp_num_hidden_layers is 0: no head);
     without it they are dropped after the check, so no MTP weights stay resident and the model
     has no MTP layer (nor, then, its KV pool). method: the projections' linear method (the
-    engine's kernel backend's; None: plain weights). The loader hands each tensor to what takes
-    it, then every layer processes its weights once (`process_weights_after_loading`)."""
+    engine's kernel backend's; None: plain weights); methods: name, layer -> the method of each
+    projection layer instead, where the choice is per layer (hybrid_engine/quantization.py).
+    The loader hands each tensor to what takes it, then every layer processes its weights once
+    (`process_weights_after_loading`; progress: wraps the iterable of layers, a progress bar)."""
     cfg = load_config(folder)
     if with_mtp and cfg.mtp_num_hidden_layers == 0:
         raise ConfigError(f"{Path(folder) / 'config.json'} sets mtp_num_hidden_layers 0: the model has no MTP "
@@ -59,6 +63,10 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     # mtp_num_hidden_layers 0 says there is no head: any mtp.* tensors are then left unread.
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method)
+        if methods is not None:
+            for name, module in model.named_modules():
+                if isinstance(module, Linear):
+                    module.use_method(methods(name, module))
     tensors = _checkpoint_tensors(model)
     weights = load_weights(folder, cfg, {name: shape for name, (shape, _) in tensors.items()}, torch_dtype)
     if not with_mtp or not any(name.startswith("mtp.") for name in weights):
@@ -68,6 +76,6 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
         tensors[name][1](tensor.to(device))
     if cfg.tie_word_embeddings:
         model.lm_head.weight_loader("lm_head.weight", model.embed_tokens.weight)
-    model.process_weights_after_loading()
+    model.process_weights_after_loading(progress)
     model.requires_grad_(False)
     return model.eval(), cfg

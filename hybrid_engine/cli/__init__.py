@@ -95,6 +95,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, dtype_default: str | N
     g.add_argument("--kernel-backend", choices=("auto", "torch", "cpu", "triton"), default="auto",
                    help="the kernels' backend: torch (the reference), cpu (native kernels), triton (GPU); "
                         "default auto: triton on CUDA, cpu where its kernels build, else torch")
+    g.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                   help="quantize a float checkpoint's projections at load (weights only; default: none)")
+    g.add_argument("--quantization-group-size", type=int, default=None, metavar="N",
+                   help="input columns per quantization scale (default: 32)")
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +143,9 @@ def engine_arguments(args, num_speculative_tokens: int = 0, dtype: str | None = 
                 speculative_config=spec, enable_torch_compile=getattr(args, "torch_compile", False),
                 cache_memory_bytes=getattr(args, "cache_memory_bytes", None),
                 enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-                kernel_backend=getattr(args, "kernel_backend", "auto"))
+                kernel_backend=getattr(args, "kernel_backend", "auto"),
+                quantization=getattr(args, "quantization", None),
+                quantization_group_size=getattr(args, "quantization_group_size", None))
 
 
 def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()

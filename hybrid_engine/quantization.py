@@ -1,0 +1,102 @@
+"""Online weight quantization (`LLM(quantization="int8" | "int4")`): which projections of a float
+checkpoint are quantized at load, and with which linear method.
+
+Quantized: every projection layer (models/linear.py `Linear`): GDN's in_proj_qkv / in_proj_z and
+out_proj, attention's q/k/v/o, the MLPs, the MTP layer's attention and MLP, and the lm_head (a
+tied embedding then reads its rows from the quantized table). Kept float, as every quantized
+format and peer keeps them: GDN's in_proj_b / in_proj_a (they feed the decay and the beta
+sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_expert_gate
+(plain nn.Linear), the conv taps, A_log, dt_bias and the norms. Not yet quantized: MoE experts
+(stacked [E, ...] tensors, no projection layer). A projection whose input width the group size
+does not divide stays float too, and the engine's log says which.
+
+The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
+where the cpu backend's kernels build, else its torch reference; the float ones keep the
+backend's own method.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .kernels.linear import LinearMethod
+from .kernels.linear.quantized import QuantizedLinearMethod, check_scheme
+
+METHODS = {"int8": 8, "int4": 4}
+DEFAULT_GROUP_SIZE = 32                    # llama.cpp's Q8_0 / Q4_0 block
+GDN_FLOAT_SHARDS = ("in_proj_b", "in_proj_a")
+FLOAT_LAYERS = ("mtp.fc",)
+
+log = logging.getLogger("hybrid_engine")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    method: str                             # "int8" or "int4"
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    @property
+    def bits(self) -> int:
+        return METHODS[self.method]
+
+
+def parse_quantization(method: str | None, group_size: int | None = None) -> Quantization | None:
+    """LLM's quantization / quantization_group_size, checked: None (float weights) or a scheme."""
+    if method is None:
+        if group_size is not None:
+            raise ValueError("quantization_group_size is set but quantization is None")
+        return None
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {sorted(METHODS)} or None, got {method!r}")
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"quantization_group_size must be an int, got {group_size!r}")
+    try:
+        check_scheme(METHODS[method], group_size)
+    except ValueError as e:
+        raise ValueError(f"quantization_group_size: {e}") from None
+    return Quantization(method, group_size)
+
+
+class QuantizedLayers:
+    """name, layer -> the linear method of each projection layer of a model to load (models/load.py
+    asks it once per layer); `kept_float`: the quantizable layers left float for their shape."""
+
+    def __init__(self, scheme: Quantization, float_method: LinearMethod, native: bool):
+        self.scheme, self.float_method, self.native = scheme, float_method, native
+        self.kept_float: list[str] = []
+
+    def __call__(self, name: str, layer) -> LinearMethod:
+        if name in FLOAT_LAYERS:
+            return self.float_method
+        if layer.in_features % self.scheme.group_size:
+            self.kept_float.append(name)
+            return self.float_method
+        shards = tuple(layer.shards or ())
+        float_shards = tuple(s for s in GDN_FLOAT_SHARDS if s in shards)
+        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
+                                     float_shards=float_shards)
+
+    def progress_bar(self, layers):
+        """The layers as they are processed (quantized), with a progress bar on a terminal."""
+        from tqdm import tqdm
+        return tqdm(layers, desc=f"quantizing to {self.scheme.method}", unit="layer", leave=False, disable=None)
+
+    def report(self) -> None:
+        if self.kept_float:
+            log.warning("%s: %d projection(s) kept float, their input width not a multiple of the group "
+                        "size %d: %s", self.scheme.method, len(self.kept_float), self.scheme.group_size,
+                        ", ".join(self.kept_float[:5]) + (" ..." if len(self.kept_float) > 5 else ""))
+
+
+def quantized_layers(config, float_method: LinearMethod, kernels) -> QuantizedLayers | None:
+    """The per-layer methods of an engine whose config asks for quantization (EngineConfig), the
+    native kernel's where its backend is the cpu one and the kernels build; else None."""
+    scheme = parse_quantization(config.quantization, config.quantization_group_size)
+    if scheme is None:
+        return None
+    from .kernels.backends import native_cpu_available
+    native = kernels.name == "cpu" and native_cpu_available()
+    return QuantizedLayers(scheme, float_method, native)
