@@ -11,7 +11,9 @@ sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_
 does not divide stays float too, and the engine's log says which.
 
 The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
-where the cpu backend's kernels build, else its torch reference; the float ones keep the
+where the cpu backend's kernels build (activations rounded to int8 in blocks of 32, as
+llama.cpp's quantized products round them; group sizes a multiple of 32), else its torch
+reference on the dequantized weights with float activations; the float layers keep the
 backend's own method.
 """
 
@@ -21,7 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from .kernels.linear import LinearMethod
-from .kernels.linear.quantized import QuantizedLinearMethod, check_scheme
+from .kernels.linear.quantized import QuantizedLinearMethod, check_scheme, native_takes
 
 METHODS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = 32                    # llama.cpp's Q8_0 / Q4_0 block
@@ -64,8 +66,12 @@ class QuantizedLayers:
     """name, layer -> the linear method of each projection layer of a model to load (models/load.py
     asks it once per layer); `kept_float`: the quantizable layers left float for their shape."""
 
-    def __init__(self, scheme: Quantization, float_method: LinearMethod, native: bool):
-        self.scheme, self.float_method, self.native = scheme, float_method, native
+    def __init__(self, scheme: Quantization, float_method: LinearMethod, native: bool,
+                 int8_activations: bool | None = None):
+        # the native kernel takes groups of a multiple of 32 (its blocks of x nest in them)
+        self.scheme, self.float_method = scheme, float_method
+        self.native = native and native_takes(scheme.group_size)
+        self.int8_activations = self.native if int8_activations is None else int8_activations
         self.kept_float: list[str] = []
 
     def __call__(self, name: str, layer) -> LinearMethod:
@@ -77,7 +83,7 @@ class QuantizedLayers:
         shards = tuple(layer.shards or ())
         float_shards = tuple(s for s in GDN_FLOAT_SHARDS if s in shards)
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
-                                     float_shards=float_shards)
+                                     float_shards=float_shards, int8_activations=self.int8_activations)
 
     def progress_bar(self, layers):
         """The layers as they are processed (quantized), with a progress bar on a terminal."""

@@ -18,7 +18,7 @@ EPYC_ZEN3 = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat 
              "pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand "
              "bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb sha_ni xsaveopt")
 SKYLAKE_X = EPYC_ZEN3 + " avx512f avx512dq avx512cd avx512bw avx512vl"
-SAPPHIRE_RAPIDS = SKYLAKE_X + " avx512_bf16 amx_bf16 amx_tile amx_int8 avx512_fp16"
+SAPPHIRE_RAPIDS = SKYLAKE_X + " avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8 avx512_fp16"
 SANDY_BRIDGE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx popcnt"
 
 

@@ -7,6 +7,7 @@ with MTP k=2, prefix hits and chunked prefill, in float32."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -102,59 +103,73 @@ def test_quantized_model_runs_its_dequantized_weights(ckpt, tmp_path, method, bi
     _assert_same(_run(float_run, max_tokens=32), _run(quantized, max_tokens=32), atol=1e-4)
 
 
+def _int8_activation_reference(monkeypatch):
+    """Engines built after this run their quantized layers by the torch reference of the native
+    kernel's steps (x rounded to int8 as it rounds it), everything else as before."""
+    from hybrid_engine import engine as engine_module, quantization
+
+    def layers(config, float_method, kernels):
+        scheme = quantization.parse_quantization(config.quantization, config.quantization_group_size)
+        return quantization.QuantizedLayers(scheme, float_method, native=False, int8_activations=True)
+    monkeypatch.setattr(engine_module, "quantized_layers", layers)
+
+
 @needs_native
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_native_quantized_kernel_matches_the_torch_reference(ckpt, method):
-    reference, native = _engine(ckpt, "torch", method), _engine(ckpt, "cpu", method)
+def test_native_quantized_kernel_matches_its_torch_reference(ckpt, method, monkeypatch):
+    """The cpu backend's engine with the native kernel and with its torch reference in the same
+    places: the same bits, so the same tokens and logprobs. (Against the torch backend's engine
+    the comparison would not hold at 1e-4: the other kernels' float32 rounding differences flip
+    some of x's int8 roundings, and the quantized model amplifies each flip.)"""
+    native = _engine(ckpt, "cpu", method)
+    _int8_activation_reference(monkeypatch)
+    reference = _engine(ckpt, "cpu", method)
     assert native.model.lm_head.method.native and not reference.model.lm_head.method.native
-    _assert_same(_run(reference), _run(native), atol=1e-4)
+    assert reference.model.lm_head.method.int8_activations
+    _assert_same(_run(reference), _run(native), atol=0)
 
 
-def test_tied_embedding_reads_the_quantized_table(tmp_path):
-    """The default model ties its embedding to lm_head: the quantized engine frees the float table
-    and embeds from lm_head's dequantized rows, which a float run of the dequantized checkpoint
-    (its one table dequantized) reproduces token for token."""
-    from hybrid_engine.default_model import default_model_path
-    src = Path(default_model_path())
-    tensors = load_file(str(src / "model.safetensors"))
-    assert "lm_head.weight" not in tensors
-    dst = tmp_path / "dq"
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    for name, t in tensors.items():
-        if _quantized_by_online_quantization(name) or name.endswith("embed_tokens.weight"):
-            tensors[name] = dequantize(quantize(t, 4, 32)).to(t.dtype)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    quantized = LLM(dtype="float32", quantization="int4", kernel_backend="torch")
-    assert quantized.engine.model.embed_tokens.weight.is_meta
-    want = LLM(model=str(dst), dtype="float32", kernel_backend="torch").generate(["def read_config(path):"], params)
-    got = quantized.generate(["def read_config(path):"], params)
-    assert got[0].token_ids == want[0].token_ids
+@needs_native
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_native_quantized_mtp_is_lossless(ckpt, method):
+    """Greedy tokens with MTP k=2 equal those without: each row's product is the same whichever
+    rows share its step (the kernel rounds x per row)."""
+    def run(k):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=4,
+                                        max_num_batched_tokens=24, quantization=method,
+                                        speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None))
+        return [ids for ids, _, _ in _run(engine, max_tokens=16)]
+    assert run(2) == run(0)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(quantization="int3"), "quantization must be one of"),
-    (dict(quantization="int4", quantization_group_size=3), "quantization_group_size: group size 3"),
-    (dict(quantization="int8", quantization_group_size="32"), "quantization_group_size must be an int"),
-    (dict(quantization_group_size=32), "quantization_group_size is set but quantization is None"),
-])
-def test_bad_quantization_arguments_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs).validate()
+DEFAULT_PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Node:\n    def __init__(self",
+                   "for i in range(10):", "    return sorted(", "# Compute the mean\ndef mean(xs):",
+                   "with open(path) as f:", "if __name__ == '__main__':"]
 
 
-def test_a_group_size_that_does_not_divide_keeps_those_layers_float(ckpt, caplog):
-    """Groups of 48 divide none of the tiny models' input widths (64, 128, 32): every projection
-    stays float, the log names them, and the engine runs."""
-    with caplog.at_level(logging.WARNING, logger="hybrid_engine"):
-        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", quantization="int8",
-                                        quantization_group_size=48, kernel_backend="torch"))
-    layers = [m for m in engine.model.modules() if hasattr(m, "shards")]
-    assert layers and not any(isinstance(m.method, QuantizedLinearMethod) for m in layers)
-    assert "kept float" in caplog.text and "layers.0." in caplog.text
-    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+def _next_token_logprobs(**llm_kwargs) -> list[dict[int, float]]:
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    return [o.logprobs[0] for o in LLM(dtype="float32", **llm_kwargs).generate(DEFAULT_PROMPTS, params)]
+
+
+def _distance(want: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
+    """(KL over the top tokens both list, largest logprob gap among tokens of p > e^-5)."""
+    shared = [t for t in want if t in got]
+    kl = sum(math.exp(want[t]) * (want[t] - got[t]) for t in shared)
+    return kl, max(abs(want[t] - got[t]) for t in shared if want[t] > -5)
+
+
+@needs_native
+def test_int8_activations_cost_little_on_the_default_model():
+    """What rounding x to int8 costs, stated: on the default (trained) model, the next-token
+    distribution after eight prompts, the native int8 model (x rounded) against the float model
+    and against the same int8 weights with float x (the torch reference). Measured 2026-12-06:
+    |KL| <= 0.003 and top-token logprobs within 0.05 of float, 0.03 of the float-x reference."""
+    float_lp = _next_token_logprobs()
+    native = _next_token_logprobs(quantization="int8")
+    float_x = _next_token_logprobs(quantization="int8", kernel_backend="torch")
+    for f, n, r in zip(float_lp, native, float_x):
+        kl, gap = _distance(f, n)
+        assert abs(kl) < 0.01 and gap < 0.1, (kl, gap)
+        assert max(f, key=f.get) == max(n, key=n.get)
+        assert _distance(r, n)[1] < 0.1

@@ -1,30 +1,35 @@
 // y[M, N] = x[M, K] @ W^T for W quantized in groups along k: int8 or int4 values and one float16
-// scale per column and group (W[n][k] = q[n][k] * scale[n][k / group]).
+// scale per column and group (W[n][k] = q[n][k] * scale[n][k / group]), with x quantized per row
+// in blocks of 32 k to int8 (llama.cpp's Q8_0 rule for activations: scale max|x| / 127, values
+// rounded to nearest even) and the products summed as integers.
 //
-// Why this form: decode reads every weight once per token, so its speed is the weights' bytes
-// (int8 half of bf16's, int4 a quarter) over the memory bandwidth, as long as the arithmetic keeps
-// up. Each weight vector is widened in registers to float32 and multiplied by its group's scale,
-// which gives W's exact dequantized value (a small integer times a float16 scale is exact in
-// float32), and the float32 FMAs then run in k order as blocked_linear.cpp's float32 tiles do:
-// the outputs equal the float32 blocked product on the dequantized weights bitwise, so a
-// quantized model is checked against its dequantized float run exactly, and x stays float (no
-// activation rounding). Whether integer dot products on x quantized per row are faster is for
-// measurement (benchmarks/RESULTS.md, issue 39).
+// Why integer dot products: decode reads every weight once per token, so it runs at the weights'
+// bytes over the memory bandwidth only while the arithmetic keeps up, and widening each weight
+// to float32 for an FMA did not (measured at 0.8B shapes, AVX-512: int8 at 0.7x bf16's time
+// instead of 0.5x, int4 at 0.6x instead of 0.25x; benchmarks/RESULTS.md, issue 39). One
+// AVX512-VNNI vpdpbusd multiplies and sums 64 weight bytes against x; AVX2 and plain AVX-512 do
+// the same in two (vpmaddubsw, vpmaddwd). The price is x's rounding to 8 bits per 32 values,
+// which llama.cpp's quantized products pay too; the torch reference (kernels/linear/quantized.py
+// `quant_linear_reference(..., int8_activations=True)`) rounds x the same way and takes the same
+// float steps: each output is, per block of x, an exact integer sum times the weights' and x's
+// scales, added in block order; the same bits as the reference, whichever batch the row is in.
 //
-// Layouts (kernels/linear/quantized.py packs them), in 16-column blocks as the float kernels:
-//   int8: q [N/16][K][16] int8, one 16-byte run per block and k;
-//   int4: q [N/16][K/2][16] uint8, byte (k2, c) holding column c's k = 2 k2 in its low nibble
-//         and k = 2 k2 + 1 in its high one, each stored as q + 8 (0..15);
+// Layouts (kernels/linear/quantized.py packs them), in 16-column blocks; 4 consecutive k of one
+// column in each 32-bit lane, as vpdpbusd reads them:
+//   int8: q [N/16][K/4][16][4] uint8, each value q + 128;
+//   int4: q [N/16][K/8][16][4] uint8, lane byte j holding k = 8 s + j in its low nibble and
+//         k = 8 s + 4 + j in its high one, each q + 8;
 //   scales [N/16][K/group][16] float16.
-// group divides K (and is even for int4); N is a multiple of 16.
+// group and K are multiples of 32; N is a multiple of 16.
 //
-// Few rows (decode, MTP verify: up to REGISTER_ROWS) run register tiles that widen W as they go.
-// More rows (prefill, big batches) widen each thread's group of blocks into a float32 buffer once
-// per call and run blocked_tiles.h's float32 tiles over every panel of x on it, as the bf16
-// widened form does (the widening is O(N K), the product O(M N K)): the same FMAs in the same
-// order, so the same values as the register tiles.
+// Sums: vpdpbusd takes one operand unsigned, so the weights are stored with their offset (128 or
+// 8) and the sum of a block of x times the offset is taken off afterwards. Without VNNI,
+// vpmaddubsw's 16-bit pair sums would overflow on 255 x 127: int8 there multiplies the signed
+// weight (offset removed) by x's sign and |x| (at most 2 x 127 x 127, which fits), int4's 15 x 127
+// fits as it is.
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <omp.h>
 
@@ -34,141 +39,194 @@
 
 namespace {
 
+constexpr int QK = 32;                 // k per block of x: one scale of x each
+
 #if defined(__AVX512F__)
-inline simd::F widen_i8(const int8_t* p) {                 // 16 int8 -> 16 floats
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-inline simd::I widen_u8(const uint8_t* p) {                // 16 uint8 -> 16 int32
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-}
+inline simd::I set1_i32(int32_t v) { return _mm512_set1_epi32(v); }
+inline simd::I zero_i() { return _mm512_setzero_si512(); }
+inline simd::I add_i32(simd::I a, simd::I b) { return _mm512_add_epi32(a, b); }
+inline simd::I sub_i32(simd::I a, simd::I b) { return _mm512_sub_epi32(a, b); }
+inline simd::I and_i(simd::I a, simd::I b) { return _mm512_and_si512(a, b); }
+inline simd::I xor_i(simd::I a, simd::I b) { return _mm512_xor_si512(a, b); }
+inline simd::I srli16(simd::I a, int n) { return _mm512_srli_epi16(a, n); }
+inline simd::F to_float(simd::I a) { return _mm512_cvtepi32_ps(a); }
 inline simd::F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-inline simd::F low_nibble(simd::I b) {                     // b & 15, as floats
-  return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+inline simd::I madd_pairs(simd::I a_u8, simd::I b_s8) {       // 4 products of a lane summed, int32
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(a_u8, b_s8), _mm512_set1_epi16(1));
 }
-inline simd::F high_nibble(simd::I b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }   // b >> 4
+inline simd::I abs8(simd::I a) { return _mm512_abs_epi8(a); }
+inline simd::I sign8(simd::I w, simd::I x) {                  // w where x > 0, -w where x < 0, 0 at 0
+  const __mmask64 neg = _mm512_movepi8_mask(x), zero = _mm512_cmpeq_epi8_mask(x, _mm512_setzero_si512());
+  return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(w, neg, _mm512_setzero_si512(), w));
+}
 #else
-inline simd::F widen_i8(const int8_t* p) {                 // 8 int8 -> 8 floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-inline simd::I widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline simd::I set1_i32(int32_t v) { return _mm256_set1_epi32(v); }
+inline simd::I zero_i() { return _mm256_setzero_si256(); }
+inline simd::I add_i32(simd::I a, simd::I b) { return _mm256_add_epi32(a, b); }
+inline simd::I sub_i32(simd::I a, simd::I b) { return _mm256_sub_epi32(a, b); }
+inline simd::I and_i(simd::I a, simd::I b) { return _mm256_and_si256(a, b); }
+inline simd::I xor_i(simd::I a, simd::I b) { return _mm256_xor_si256(a, b); }
+inline simd::I srli16(simd::I a, int n) { return _mm256_srli_epi16(a, n); }
+inline simd::F to_float(simd::I a) { return _mm256_cvtepi32_ps(a); }
 inline simd::F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-inline simd::F low_nibble(simd::I b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))); }
-inline simd::F high_nibble(simd::I b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
+inline simd::I madd_pairs(simd::I a_u8, simd::I b_s8) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a_u8, b_s8), _mm256_set1_epi16(1));
+}
+inline simd::I abs8(simd::I a) { return _mm256_abs_epi8(a); }
+inline simd::I sign8(simd::I w, simd::I x) { return _mm256_sign_epi8(w, x); }
 #endif
 
-// The register form up to this many rows of x: one panel. AVX2's 16 registers hold the int4
-// tile's accumulators, scales and widened pairs for at most 4 rows of one block.
-constexpr int REGISTER_ROWS = simd::W == 16 ? 8 : 4;
-constexpr int PREFETCH_BYTES = 1024;                       // ahead in each block's stream of q
+#if defined(__AVX512VNNI__)
+constexpr bool VNNI = true;
+inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return _mm512_dpbusd_epi32(acc, a_u8, b_s8); }
+#else
+constexpr bool VNNI = false;
+inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i32(acc, madd_pairs(a_u8, b_s8)); }
+#endif
 
-// Blocks per register tile for M rows: the tile holds M x NR x VB accumulators and as many for
-// the group in progress, NR x VB widened vectors of W (twice that for int4) and the broadcasts.
-template <int BITS>
-int quant_blocks_per_tile(int M) {
-  if (simd::W == 16) return M <= 2 ? 4 : M <= 4 ? 2 : 1;
-  return M == 1 && BITS == 8 ? 2 : 1;
+// Rows of x per tile, and blocks of W per tile for a panel of `rows` rows: the tile holds
+// MR x NR x VB int32 sums and as many float32 accumulators, NR x VB weight vectors (twice that
+// for int4) and the broadcasts of x, within the level's registers.
+constexpr int QMR = simd::W == 16 ? 4 : 2;
+inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
+constexpr int PREFETCH_BYTES = 1024;    // ahead in each block's stream of q
+
+inline size_t block_bytes(int K, int bits) { return (size_t)K * 16 * bits / 8; }
+
+// x quantized: per row, K int8 values (qx), and per block of QK its scale (sx) and the sum of
+// its values (sumx: the weights' offset times it comes off each block's sum).
+struct QuantizedX {
+  const int8_t* qx;
+  const float* sx;
+  const int32_t* sumx;
+};
+
+template <typename XIn>
+static inline float x_at(const XIn* x, size_t i) {
+  if constexpr (sizeof(XIn) == 4) return x[i];
+  else return simd::bits_to_float((uint32_t)x[i] << 16);
 }
 
-// Bytes of q per block for K and BITS.
-inline size_t block_bytes(int K, int BITS) { return (size_t)K * 16 * BITS / 8; }
+// Q8_0 on x: scale max|x| / 127, values round(x * (127 / max|x|)) to nearest even, as the torch
+// reference computes them in float32 (kernels/linear/quantized.py quantize_activations).
+template <typename XIn>
+static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_t* sumx) {
+  const int blocks = K / QK;
+  for (int m = 0; m < M; m++)
+    for (int b = 0; b < blocks; b++) {
+      const size_t base = (size_t)m * K + (size_t)b * QK;
+      float amax = 0.0f;
+      for (int k = 0; k < QK; k++) {
+        const float v = x_at(x, base + k);
+        amax = v > amax ? v : (-v > amax ? -v : amax);
+      }
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int k = 0; k < QK; k++) {
+        const int v = (int)__builtin_nearbyintf(x_at(x, base + k) * inverse);
+        qx[base + k] = (int8_t)v;
+        sum += v;
+      }
+      sx[(size_t)m * blocks + b] = amax / 127.0f;
+      sumx[(size_t)m * blocks + b] = sum;
+    }
+}
 
-// One register tile: rows [0, rows) of the panel xp ([K][PANEL] floats) times NR blocks of q
-// (q: the first block's first byte, blocks qstride bytes apart) with their scales (sc: the first
-// block's, blocks sstride halves apart) -> y rows (row stride N) from column n0. Each group of k
-// sums x q in float32 on its own and is then scaled once (one FMA per group, not a multiply per
-// weight: the product is bound by these ops at int4). int4 sums x (q + 8), the stored nibble, and
-// takes 8 times the group's sum of x (xsum [rows][K / group]) off before scaling.
-template <int MR, int NR, int BITS, typename T>
-inline void quant_tile(const float* xp, const float* xsum, const uint8_t* q, size_t qstride, const uint16_t* sc,
-                       size_t sstride, int K, int group, typename T::Y* y, int N, int n0, int rows) {
+// One tile: MR rows of quantized x (from row m0) times NR blocks of q (q: the first block's
+// first byte, blocks qstride bytes apart) with their scales (sc, blocks sstride halves apart)
+// -> y rows m0.. (row stride N) from column n0.
+template <int MR, int NR, int BITS, typename Y, typename Store>
+static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
+                              const uint16_t* sc, size_t sstride, int group, Y* y, int N, int n0, Store store) {
+  constexpr int LANE_BYTES = 64 / VB;           // bytes of one weight vector: 16 / VB columns x 4 bytes
+  const int blocks = K / QK;
   simd::F acc[MR][NR * VB];
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < NR * VB; j++) acc[r][j] = simd::zero();
-  const int groups = K / group;
-  for (int gi = 0; gi < groups; gi++) {
-    const int g0 = gi * group;
-    simd::F part[MR][NR * VB];
+  const simd::I low4 = set1_i32(0x0F0F0F0F), flip = set1_i32((int32_t)0x80808080);
+  for (int b = 0; b < blocks; b++) {
+    simd::I sums[MR][NR * VB];
     for (int r = 0; r < MR; r++)
-      for (int j = 0; j < NR * VB; j++) part[r][j] = simd::zero();
+      for (int j = 0; j < NR * VB; j++) sums[r][j] = zero_i();
+    const int8_t* xb[MR];
+    for (int r = 0; r < MR; r++) xb[r] = x.qx + (size_t)(m0 + r) * K + (size_t)b * QK;
     if constexpr (BITS == 8) {
-      for (int k = g0; k < g0 + group; k++) {
-        simd::F w[NR * VB];
+      for (int s = 0; s < QK / 4; s++) {           // 4 k a step
+        simd::I w[NR * VB];
         for (int j = 0; j < NR; j++) {
-          const int8_t* p = (const int8_t*)(q + j * qstride) + (size_t)k * 16;
-          for (int v = 0; v < VB; v++) w[j * VB + v] = widen_i8(p + v * simd::W);
-          if ((k & 3) == 0) _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T0);
+          const uint8_t* p = q + j * qstride + ((size_t)b * QK / 4 + s) * 64;
+          for (int v = 0; v < VB; v++) w[j * VB + v] = simd::load_bits(p + v * LANE_BYTES);
+          _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T0);
         }
         for (int r = 0; r < MR; r++) {
-          const simd::F xb = simd::set1(xp[(size_t)k * PANEL + r]);
-          for (int j = 0; j < NR * VB; j++) part[r][j] = simd::fmadd(xb, w[j], part[r][j]);
+          int32_t four;
+          memcpy(&four, xb[r] + 4 * s, 4);
+          const simd::I xv = set1_i32(four);
+          if constexpr (VNNI) {
+            for (int j = 0; j < NR * VB; j++) sums[r][j] = dot_u8s8(sums[r][j], w[j], xv);
+          } else {
+            const simd::I ax = abs8(xv);
+            for (int j = 0; j < NR * VB; j++) sums[r][j] = add_i32(sums[r][j], madd_pairs(ax, sign8(xor_i(w[j], flip), xv)));
+          }
         }
       }
     } else {
-      for (int k = g0; k < g0 + group; k += 2) {
-        simd::F lo[NR * VB], hi[NR * VB];
+      for (int s = 0; s < QK / 8; s++) {           // 8 k a step: low nibbles k 0-3, high k 4-7
+        simd::I lo[NR * VB], hi[NR * VB];
         for (int j = 0; j < NR; j++) {
-          const uint8_t* p = q + j * qstride + (size_t)(k / 2) * 16;
+          const uint8_t* p = q + j * qstride + ((size_t)b * QK / 8 + s) * 64;
           for (int v = 0; v < VB; v++) {
-            const simd::I b = widen_u8(p + v * simd::W);
-            lo[j * VB + v] = low_nibble(b);
-            hi[j * VB + v] = high_nibble(b);
+            const simd::I packed = simd::load_bits(p + v * LANE_BYTES);
+            lo[j * VB + v] = and_i(packed, low4);
+            hi[j * VB + v] = and_i(srli16(packed, 4), low4);
           }
-          if ((k & 7) == 0) _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T0);
+          _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T0);
         }
         for (int r = 0; r < MR; r++) {
-          const simd::F x0 = simd::set1(xp[(size_t)k * PANEL + r]), x1 = simd::set1(xp[(size_t)(k + 1) * PANEL + r]);
-          for (int j = 0; j < NR * VB; j++) part[r][j] = simd::fmadd(x1, hi[j], simd::fmadd(x0, lo[j], part[r][j]));
+          int32_t four_lo, four_hi;
+          memcpy(&four_lo, xb[r] + 8 * s, 4);
+          memcpy(&four_hi, xb[r] + 8 * s + 4, 4);
+          const simd::I xl = set1_i32(four_lo), xh = set1_i32(four_hi);
+          for (int j = 0; j < NR * VB; j++) sums[r][j] = dot_u8s8(dot_u8s8(sums[r][j], lo[j], xl), hi[j], xh);
         }
       }
     }
+    // the block's sums, offset taken off, in float times the weights' and x's scales
+    constexpr int OFFSET = BITS == 4 ? 8 : (VNNI ? 128 : 0);
+    const int gi = b * QK / group;
     for (int j = 0; j < NR; j++)
       for (int v = 0; v < VB; v++) {
-        const simd::F s = load_f16(sc + j * sstride + (size_t)gi * 16 + v * simd::W);
+        const simd::F sw = load_f16(sc + j * sstride + (size_t)gi * 16 + v * simd::W);
         for (int r = 0; r < MR; r++) {
-          simd::F p = part[r][j * VB + v];
-          if constexpr (BITS == 4) p = simd::sub(p, simd::set1(8.0f * xsum[(size_t)r * groups + gi]));
-          acc[r][j * VB + v] = simd::fmadd(p, s, acc[r][j * VB + v]);
+          const size_t xi = (size_t)(m0 + r) * blocks + b;
+          simd::I s = sums[r][j * VB + v];
+          if constexpr (OFFSET != 0) s = sub_i32(s, set1_i32(OFFSET * x.sumx[xi]));
+          // product and sum each rounded on their own (no FMA): the torch reference's steps
+          acc[r][j * VB + v] = simd::add(acc[r][j * VB + v], simd::mul_rounded(to_float(s), simd::mul(sw, simd::set1(x.sx[xi]))));
         }
       }
   }
-  for (int r = 0; r < MR && r < rows; r++)
-    for (int j = 0; j < NR * VB; j++) T::store(y + (size_t)r * N + n0 + j * simd::W, acc[r][j]);
+  for (int r = 0; r < MR; r++)
+    for (int j = 0; j < NR * VB; j++) store(y + (size_t)(m0 + r) * N + n0 + j * simd::W, acc[r][j]);
 }
 
-template <int NR, int BITS, typename T>
-inline void quant_tile_rows(int rows, const float* xp, const float* xsum, const uint8_t* q, size_t qstride, const uint16_t* sc,
-                            size_t sstride, int K, int group, typename T::Y* y, int N, int n0) {
-  switch (rows) {
-    case 1: return quant_tile<1, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-    case 2: return quant_tile<2, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-    case 3: return quant_tile<3, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-    case 4: return quant_tile<4, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
+template <int NR, int BITS, typename Y, typename Store>
+static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
+                                   const uint16_t* sc, size_t sstride, int group, Y* y, int N, int n0, Store store) {
+  if (rows >= QMR) return quant_tile<QMR, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
+  if constexpr (QMR > 2) {
+    if (rows == 3) return quant_tile<3, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
   }
-  if constexpr (REGISTER_ROWS > 4) {
-    switch (rows) {
-      case 5: return quant_tile<5, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-      case 6: return quant_tile<6, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-      case 7: return quant_tile<7, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-    }
-    quant_tile<REGISTER_ROWS, NR, BITS, T>(xp, xsum, q, qstride, sc, sstride, K, group, y, N, n0, rows);
-  }
+  if (rows == 2) return quant_tile<2, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
+  quant_tile<1, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
 }
 
-template <int BITS, typename T>
-void quant_register_form(const typename T::Y* x, const uint8_t* q, const uint16_t* sc, typename T::Y* y, int M,
-                         int N, int K, int group, int threads) {
-  const Scratch xs(SCRATCH_X, panels_bytes<T>(M, K) + (size_t)M * (K / group) * sizeof(float));
-  const float* xp = pack_panels<T>(x, M, K, K, xs);
-  // each row's sum of x over each group (int4's offset), after the panel in the same buffer
-  float* xsum = (float*)((char*)xs.as<char>() + panels_bytes<T>(M, K));
-  if (BITS == 4)
-    for (int r = 0; r < M; r++)
-      for (int gi = 0; gi < K / group; gi++) {
-        float sum = 0.0f;
-        for (int k = gi * group; k < (gi + 1) * group; k++) sum += xp[(size_t)k * PANEL + r];
-        xsum[(size_t)r * (K / group) + gi] = sum;
-      }
-  const int blocks = N / 16, NR = quant_blocks_per_tile<BITS>(M);
+// Every panel of QMR rows against each group of NR blocks: a group's weights (NR x K bytes or
+// half that) stay in cache while the panels pass over them.
+template <int BITS, typename Y, typename Store>
+static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t* sc, Y* y, int M, int N, int K,
+                          int group, int threads, Store store) {
+  const int blocks = N / 16, NR = quant_blocks_per_tile(M < QMR ? M : QMR);
   const int groups = (blocks + NR - 1) / NR;
   const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -176,70 +234,35 @@ void quant_register_form(const typename T::Y* x, const uint8_t* q, const uint16_
     const int b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
     const uint8_t* qg = q + (size_t)b0 * qstride;
     const uint16_t* sg = sc + (size_t)b0 * sstride;
-    if (nb == 4) quant_tile_rows<4, BITS, T>(M, xp, xsum, qg, qstride, sg, sstride, K, group, y, N, b0 * 16);
-    else if (nb == 3) quant_tile_rows<3, BITS, T>(M, xp, xsum, qg, qstride, sg, sstride, K, group, y, N, b0 * 16);
-    else if (nb == 2) quant_tile_rows<2, BITS, T>(M, xp, xsum, qg, qstride, sg, sstride, K, group, y, N, b0 * 16);
-    else quant_tile_rows<1, BITS, T>(M, xp, xsum, qg, qstride, sg, sstride, K, group, y, N, b0 * 16);
-  }
-}
-
-// nb blocks of q with their scales -> float32 [nb][K][16], each value q * scale exactly.
-template <int BITS>
-void dequantize_blocks(const uint8_t* q, const uint16_t* sc, float* out, int nb, int K, int group) {
-  const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
-  for (int j = 0; j < nb; j++) {
-    const uint8_t* qb = q + j * qstride;
-    float* ob = out + (size_t)j * K * 16;
-    for (int g0 = 0, gi = 0; g0 < K; g0 += group, gi++) {
-      simd::F s[VB];
-      for (int v = 0; v < VB; v++) s[v] = load_f16(sc + j * sstride + (size_t)gi * 16 + v * simd::W);
-      for (int k = g0; k < g0 + group; k += BITS == 8 ? 1 : 2)
-        for (int v = 0; v < VB; v++) {
-          if constexpr (BITS == 8) {
-            simd::store(ob + (size_t)k * 16 + v * simd::W, simd::mul(widen_i8((const int8_t*)qb + (size_t)k * 16 + v * simd::W), s[v]));
-          } else {
-            const simd::I b = widen_u8(qb + (size_t)(k / 2) * 16 + v * simd::W);
-            const simd::F eight = simd::set1(8.0f);       // the stored nibble is q + 8
-            simd::store(ob + (size_t)k * 16 + v * simd::W, simd::mul(simd::sub(low_nibble(b), eight), s[v]));
-            simd::store(ob + (size_t)(k + 1) * 16 + v * simd::W, simd::mul(simd::sub(high_nibble(b), eight), s[v]));
-          }
-        }
+    for (int m0 = 0; m0 < M; m0 += QMR) {
+      const int rows = M - m0 < QMR ? M - m0 : QMR;
+      if (nb == 4) quant_tile_rows<4, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
+      else if (nb == 3) quant_tile_rows<3, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
+      else if (nb == 2) quant_tile_rows<2, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
+      else quant_tile_rows<1, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
     }
   }
 }
 
-template <int BITS, typename T>
-void quant_widened_form(const typename T::Y* x, const uint8_t* q, const uint16_t* sc, typename T::Y* y, int M, int N,
-                        int K, int group, int threads) {
-  const Scratch xs(SCRATCH_X, panels_bytes<T>(M, K));
-  const float* xp = pack_panels<T>(x, M, K, K, xs);
-  const int blocks = N / 16, NR = blocks_per_tile<T>(M);
-  const int groups = (blocks + NR - 1) / NR;
-  const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
-#pragma omp parallel num_threads(threads)
-  {
-    float* wf = (float*)aligned_alloc(64, ((size_t)NR * K * 16 * sizeof(float) + 63) / 64 * 64);
-#pragma omp for schedule(static)
-    for (int g = 0; g < groups; g++) {
-      const int b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
-      dequantize_blocks<BITS>(q + (size_t)b0 * qstride, sc + (size_t)b0 * sstride, wf, nb, K, group);
-      group_product<T>(nb, xp, wf, K, y, M, N, b0 * 16);
-    }
-    free(wf);
-  }
-}
-
-template <typename T>
-int quant_linear(const typename T::Y* x, const uint8_t* q, const uint16_t* sc, typename T::Y* y, int M, int N, int K,
-                 int bits, int group, int threads) {
-  if ((bits != 8 && bits != 4) || group < 2 || K % group || (bits == 4 && group % 2) || N % 16) return 1;
-  if (M <= REGISTER_ROWS) {
-    if (bits == 8) quant_register_form<8, T>(x, q, sc, y, M, N, K, group, threads);
-    else quant_register_form<4, T>(x, q, sc, y, M, N, K, group, threads);
-  } else {
-    if (bits == 8) quant_widened_form<8, T>(x, q, sc, y, M, N, K, group, threads);
-    else quant_widened_form<4, T>(x, q, sc, y, M, N, K, group, threads);
-  }
+template <typename XY>
+static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, XY* y, int M, int N, int K, int bits,
+                        int group, int threads) {
+  if ((bits != 8 && bits != 4) || group % QK || K % group || N % 16) return 1;
+  const int blocks = K / QK;
+  // x's int8 values, then its block scales and sums, in one scratch buffer
+  const size_t qx_bytes = ((size_t)M * K + 63) / 64 * 64, sx_bytes = ((size_t)M * blocks * 4 + 63) / 64 * 64;
+  const Scratch xs(SCRATCH_X, qx_bytes + 2 * sx_bytes);
+  int8_t* qx = xs.as<int8_t>();
+  float* sx = (float*)(xs.as<char>() + qx_bytes);
+  int32_t* sumx = (int32_t*)(xs.as<char>() + qx_bytes + sx_bytes);
+  quantize_x(x, M, K, qx, sx, sumx);
+  const QuantizedX xq{qx, sx, sumx};
+  auto store = [](XY* p, simd::F v) {
+    if constexpr (sizeof(XY) == 4) simd::store((float*)p, v);
+    else simd::store_bf16((uint16_t*)p, v);
+  };
+  if (bits == 8) quant_product<8>(xq, q, sc, y, M, N, K, group, threads, store);
+  else quant_product<4>(xq, q, sc, y, M, N, K, group, threads, store);
   return 0;
 }
 
@@ -248,10 +271,10 @@ int quant_linear(const typename T::Y* x, const uint8_t* q, const uint16_t* sc, t
 extern "C" {
 int quant_linear_f32(const float* x, const uint8_t* q, const uint16_t* scales, float* y, int M, int N, int K, int bits,
                      int group, int threads) {
-  return quant_linear<F32>(x, q, scales, y, M, N, K, bits, group, threads);
+  return quant_linear(x, q, scales, y, M, N, K, bits, group, threads);
 }
 int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* scales, uint16_t* y, int M, int N, int K,
                       int bits, int group, int threads) {
-  return quant_linear<WidenedBF16>(x, q, scales, y, M, N, K, bits, group, threads);
+  return quant_linear(x, q, scales, y, M, N, K, bits, group, threads);
 }
 }

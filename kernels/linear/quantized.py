@@ -9,12 +9,16 @@ the group's value m of largest magnitude and q = round(w / scale) clamped to [-8
 value lands on -8, the code int4 otherwise leaves unused). The scale is rounded to float16 first
 and q computed from the rounded scale.
 
-Packed layout (`pack`, what the kernel reads; N padded to a multiple of 16 with zero rows):
-    q       uint8 [N/16, K * bits / 8, 16]: int8 values' bits, or for int4 one byte per column
-            and pair of k (k = 2 k2 in the low nibble, 2 k2 + 1 in the high one, each q + 8)
+Packed layout (`pack`, what the kernel reads; N padded to a multiple of 16 with zero rows), four
+consecutive k of a column in each 32-bit lane (what vpdpbusd reads):
+    q       int8: uint8 [N/16, K/4, 16, 4], each q + 128;
+            int4: uint8 [N/16, K/8, 16, 4], byte j of step s holding k = 8 s + j in its low
+            nibble and 8 s + 4 + j in its high one, each q + 8
     scales  float16 [N/16, K / group, 16]
-Every dequantized value q * scale is exact in float32, and the kernel multiplies in float32 in k
-order, so its product equals the float32 blocked kernel's on the dequantized weights bitwise.
+
+The native kernel rounds x to int8 in blocks of 32 (llama.cpp's Q8_0, as its quantized products
+do) and sums integers (quant_linear.cpp says why); `quant_linear_reference` computes the same
+from the dequantized values, with x rounded the same way (int8_activations) or kept float.
 """
 
 from __future__ import annotations
@@ -83,13 +87,15 @@ def pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     if pad:
         values, scales = F.pad(values, (0, 0, 0, pad)), F.pad(scales, (0, 0, 0, pad))
     n, k = values.shape
-    blocks = values.reshape(n // BLOCK, BLOCK, k).transpose(1, 2)          # [N/16, K, 16]
-    if qw.bits == 8:
-        q = blocks.contiguous().view(torch.uint8)
-    else:
-        u = (blocks.to(torch.int16) + 8).to(torch.uint8)
-        q = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()                  # [N/16, K/2, 16]
-    return q, scales.reshape(n // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
+    if k % 8:
+        raise ValueError(f"packed quantized weights need a multiple of 8 input columns, not {k}")
+    shifted = values.to(torch.int16) + (128 if qw.bits == 8 else 8)
+    if qw.bits == 8:                                   # [N/16, K/4, 16, 4]
+        q = shifted.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3)
+    else:                                              # k = 8 s + 4 h + j -> [N/16, K/8, 16, h, j]
+        nibbles = shifted.reshape(n // BLOCK, BLOCK, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
+        q = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+    return q.to(torch.uint8).contiguous(), scales.reshape(n // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
 
 
 def unpack(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
@@ -97,28 +103,74 @@ def unpack(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
     """The float32 dequantized weight [N_padded, K] from the packed layout, or only its `rows`
     (int64 ids: a tied embedding reading lm_head's table)."""
     if rows is not None:
-        q, scales = q[rows // BLOCK, :, rows % BLOCK], scales[rows // BLOCK, :, rows % BLOCK]   # [n, K'], [n, G]
+        q, scales = q[rows // BLOCK, :, rows % BLOCK], scales[rows // BLOCK, :, rows % BLOCK]  # [n, steps, 4], [n, G]
     else:
-        q = q.transpose(1, 2).reshape(-1, q.shape[1])
+        q = q.transpose(1, 2).reshape(-1, q.shape[1], 4)
         scales = scales.transpose(1, 2).reshape(-1, scales.shape[1])
     if bits == 8:
-        values = q.view(torch.int8).float()
+        values = q.reshape(q.shape[0], -1).to(torch.int16) - 128
     else:
-        pairs = torch.stack([(q & 15), (q >> 4)], dim=-1).reshape(q.shape[0], -1)
-        values = pairs.float() - 8
+        values = torch.stack([q & 15, q >> 4], dim=-2).reshape(q.shape[0], -1).to(torch.int16) - 8
     n, k = values.shape
-    return (values.reshape(n, k // group_size, group_size) * scales.float()[..., None]).reshape(n, k)
+    return (values.float().reshape(n, k // group_size, group_size) * scales.float()[..., None]).reshape(n, k)
+
+
+ACTIVATION_BLOCK = 32       # k per scale of x where the product quantizes it (quant_linear.cpp)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded as the native kernel rounds it: per row, blocks of 32 values to int8 with
+    scale max|x| / 127 (llama.cpp's Q8_0), values round(x * (127 / max|x|)) to nearest even.
+    -> (values as float32 [M, K / 32, 32], scales float32 [M, K / 32])."""
+    blocks = x.float().reshape(x.shape[0], x.shape[-1] // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    # (a true division: `127.0 / amax` is reciprocal-then-multiply in torch, rounded twice)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse[..., None]), amax / 127.0
+
+
+def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
+                             group_size: int, rows_at_once: int = 16) -> torch.Tensor:
+    """The native kernel's steps in torch: per block of 32 k, the exact integer sum of x's int8
+    values times W's, times (W's group scale x x's block scale), added in block order in float32,
+    each product and sum rounded on its own: the kernel's bits."""
+    x = x.reshape(-1, x.shape[-1])
+    values = unpack(q, torch.ones_like(scales), bits, group_size).double()      # W's integers [N, K]
+    n, k = values.shape
+    blocks = k // ACTIVATION_BLOCK
+    w_blocks = values.reshape(n, blocks, ACTIVATION_BLOCK)
+    w_scales = scales.transpose(1, 2).reshape(n, -1).float()                    # [N, K / group]
+    per_block = w_scales.repeat_interleave(group_size // ACTIVATION_BLOCK, dim=1)  # [N, blocks]
+    out = []
+    for rows in x.split(rows_at_once):
+        xq, sx = quantize_activations(rows)
+        sums = torch.einsum("mbk,nbk->mnb", xq.double(), w_blocks).float()      # exact integers
+        acc = torch.zeros(rows.shape[0], n)
+        for b in range(blocks):
+            acc = acc + sums[..., b] * (per_block[None, :, b] * sx[:, None, b])
+        out.append(acc)
+    return torch.cat(out)
 
 
 def quant_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
-                           group_size: int) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N_padded] in torch ops (float32 accumulation), x's dtype out."""
+                           group_size: int, int8_activations: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N_padded] in torch ops, x's dtype out: float32 x and float32
+    accumulation, or (int8_activations) the native kernel's own steps, bit for bit."""
+    if int8_activations:
+        y = _int8_activation_product(x, q, scales, bits, group_size)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     return (x.float() @ unpack(q, scales, bits, group_size).t()).to(x.dtype)
 
 
 def quant_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """The same with the native kernel (kernels/native: the process's level must run it)."""
+    """The same with the native kernel (x quantized to int8 in blocks of 32: the process's level
+    must run the kernels; group_size a multiple of 32)."""
     return torch.ops.hybrid_engine_cpu.linear_quant.default(x, q, scales, bits, group_size)
+
+
+def native_takes(group_size: int) -> bool:
+    """Whether the native kernel takes weights in groups of group_size (its blocks of x nest in them)."""
+    return group_size % ACTIVATION_BLOCK == 0
 
 
 class QuantizedLinearMethod(LinearMethod):
@@ -130,9 +182,17 @@ class QuantizedLinearMethod(LinearMethod):
     every quantized format keeps float: they feed the decay and the gate's sigmoid); they must
     be the layer's last rows, and run as a plain product beside the quantized one."""
 
-    def __init__(self, bits: int, group_size: int, native: bool = False, float_shards: tuple[str, ...] = ()):
+    def __init__(self, bits: int, group_size: int, native: bool = False, float_shards: tuple[str, ...] = (),
+                 int8_activations: bool | None = None):
         check_scheme(bits, group_size)
+        if native and not native_takes(group_size):
+            raise ValueError(f"the native quantized kernel takes groups of a multiple of {ACTIVATION_BLOCK}, "
+                             f"not {group_size}")
         self.bits, self.group_size, self.native = bits, group_size, native
+        # the native kernel always rounds x to int8; the reference does where asked (tests)
+        self.int8_activations = native if int8_activations is None else int8_activations
+        if native and not self.int8_activations:
+            raise ValueError("the native quantized kernel rounds activations to int8")
         self.float_shards = tuple(float_shards)
 
     def _float_rows(self, layer: nn.Module) -> int:
@@ -167,8 +227,11 @@ class QuantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
 
     def _quantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        product = quant_linear if self.native and x.device.type == "cpu" else quant_linear_reference
-        y = product(x, layer.qweight, layer.qscales, self.bits, self.group_size)
+        if self.native and x.device.type == "cpu":
+            y = quant_linear(x, layer.qweight, layer.qscales, self.bits, self.group_size)
+        else:
+            y = quant_linear_reference(x, layer.qweight, layer.qscales, self.bits, self.group_size,
+                                       self.int8_activations)
         return y if y.shape[-1] == layer.quantized_rows else y[..., :layer.quantized_rows]
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -190,4 +253,5 @@ class QuantizedLinearMethod(LinearMethod):
 
     def __repr__(self) -> str:
         tail = f", float_shards={self.float_shards}" if self.float_shards else ""
-        return f"QuantizedLinearMethod(int{self.bits}, group_size={self.group_size}, native={self.native}{tail})"
+        acts = ", int8_activations=True" if self.int8_activations and not self.native else ""
+        return f"QuantizedLinearMethod(int{self.bits}, group_size={self.group_size}, native={self.native}{acts}{tail})"

@@ -50,7 +50,7 @@ LEVEL_FLAGS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                "-mtune=native"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16", "-mtune=native"],
+                    "-mavx512bf16", "-mavx512vnni", "-mtune=native"],
 }
 # The wrappers only check, allocate and call: -O1 optimises them as well as -O3 and compiles
 # faster. C++20 and the ABI flag as torch's own extensions build.

@@ -6,7 +6,8 @@ Levels, lowest first:
 - `avx2`: AVX2 + FMA + F16C, the native kernels on 8-float vectors (bf16 widened to float32
   in registers: AVX2 has no bf16 dot product);
 - `avx512`: AVX-512 F/BW/VL/DQ on top of that, 16-float vectors; oneDNN's bf16 packing;
-- `avx512_bf16`: AVX512-BF16 as well: the native bf16 products use its dot product.
+- `avx512_bf16`: AVX512-BF16 (and AVX512-VNNI, which every such CPU has) as well: the native
+  bf16 products use its dot product, the quantized ones VNNI's integer one.
 
 The level is read once per process from the CPU's flags (/proc/cpuinfo), capped by what torch
 itself found (`torch.backends.cpu.get_cpu_capability()`, which also honours
@@ -33,7 +34,7 @@ ENV = "HYBRID_ENGINE_CPU_ISA"
 _NEEDS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512_bf16": ("avx512_bf16",),
+    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),   # every CPU with the first has the second
 }
 # torch.backends.cpu.get_cpu_capability() -> the highest level torch's dispatch allows.
 _TORCH_CAPABILITY = {"DEFAULT": "none", "AVX2": "avx2", "AVX512": "avx512_bf16"}

@@ -110,15 +110,16 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
   return y;
 }
 
-// x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, K * bits / 8, 16] (int8 values
-// bits, or int4 pairs), scales float16 [N/16, K / group, 16] (kernels/linear/quantized.py).
+// x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, K * bits / 32, 16, 4] (four k of
+// a column per lane), scales float16 [N/16, K / group, 16] (kernels/linear/quantized.py).
 Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, int64_t bits, int64_t group) {
   const int64_t k = x.dim() ? x.size(-1) : 0;
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
-  TORCH_CHECK_VALUE(group >= 2 && k % group == 0 && (bits == 8 || group % 2 == 0), "linear_quant: group ", group,
-                    " does not divide x's ", k, " columns", bits == 4 ? " in pairs" : "");
+  TORCH_CHECK_VALUE(group >= 32 && group % 32 == 0 && k % group == 0, "linear_quant: group ", group,
+                    " is not a multiple of 32 dividing x's ", k, " columns");
   const bool fits = x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-                    q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 16 && q.size(1) == k * bits / 8 &&
+                    q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 16 && q.size(3) == 4 &&
+                    q.size(1) == k * bits / 32 &&
                     q.is_contiguous() && scales.scalar_type() == at::kHalf && scales.dim() == 3 &&
                     scales.size(0) == q.size(0) && scales.size(1) == k / group && scales.size(2) == 16 &&
                     scales.is_contiguous();
