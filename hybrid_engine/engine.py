@@ -259,6 +259,8 @@ class LLMEngine:
                      index: int) -> Request:
         req = Request(request_id, text, ids, params, self.eos_token_ids,
                       sampling_seed=self.sampling_seed(params, index), index=index)
+        if params.prompt_logprobs is not None and index == 0:    # sample 0 scores the prompt n samples share
+            req.prompt_logprobs = [None]                          # nothing predicts the first token
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
         if self.tokenizer is not None:

@@ -2,7 +2,8 @@
 -> update.
 
 The scheduler picks the batch and reserves its memory, the builder packs it, the runner runs
-the model, the sampler and verifier turn logits into emitted tokens, the MTP drafter proposes
+the model, the sampler and verifier turn logits into emitted tokens (and the prompt rows of
+requests that ask for prompt_logprobs are scored: prompt_logprobs.py), the MTP drafter proposes
 the next drafts, and the updater (step_update.py) applies all of it (prefix checkpoints,
 tokens, stops, commits, frees) in one place. Nothing here knows about
 callers, request ids or failures: LLMEngine (engine.py) wires these parts and handles those.
@@ -19,6 +20,7 @@ from hybrid_engine.state_cache import HybridCacheManager
 
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prompt_logprobs import score_prompt_rows
 from .sampler import Sampler
 from .sampling_step import sample_segments
 from .scheduler import ScheduledBatch
@@ -48,7 +50,9 @@ class EngineStep:
         inputs = self.builder.build(sched, self.cache)
         hidden, logits = self.runner.forward(inputs)
         results = sample_segments(inputs, logits, self.sampler)
-        return self.updater.update(StepOutput(results, self._draft(results, hidden), hidden))
+        scored = (score_prompt_rows(inputs.prompt_rows, hidden, self.runner.logits, self.runner.vocab_size)
+                  if inputs.prompt_rows else {})
+        return self.updater.update(StepOutput(results, self._draft(results, hidden), hidden, scored))
 
     def _draft(self, results: list[SegmentResult], hidden: torch.Tensor) -> dict[str, list[int]]:
         """The MTP drafter catches up over what each segment commits and proposes the drafts of

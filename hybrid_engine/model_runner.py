@@ -55,6 +55,16 @@ class ModelRunner:
         return self.execution.forward(inputs)
 
     @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden rows, by the step's own lm_head: the prompt rows
+        that prompt_logprobs scores after the forward (hybrid_engine/prompt_logprobs.py)."""
+        return self.execution.model.compute_logits(hidden).float()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.execution.model.cfg.vocab_size
+
+    @torch.inference_mode()
     def draft(self, segs: list[tuple[int, int, list[int]]], tokens: list[int], hidden: torch.Tensor,
               drafting: list[int]) -> torch.Tensor | None:
         """The MTP layer over segments (start, length, block table) with their next tokens and

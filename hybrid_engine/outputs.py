@@ -71,6 +71,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (vLLM's name)
+    # SamplingParams.prompt_logprobs (vLLM's): per prompt token {token: logprob} of the k most
+    # likely plus the prompt's own, the first None; on every output, complete from the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -118,8 +118,9 @@ class PrefixCaching:
     # -- admission --------------------------------------------------------------------------
 
     def match(self, req: Request) -> PrefixHit | None:
-        """The longest cached prefix the request can start from (at least one token left)."""
-        return self.store.match(self.block_hashes(req), req.num_tokens - 1)
+        """The longest cached prefix the request can start from: at least one token left, and
+        no prompt position it must still score for prompt_logprobs (Request.max_prefix_hit)."""
+        return self.store.match(self.block_hashes(req), req.max_prefix_hit)
 
     def should_wait(self, req: Request, hit: PrefixHit | None, running: list[Request]) -> bool:
         """True while a running request's prefill is still computing a longer prefix of this
@@ -130,6 +131,7 @@ class PrefixCaching:
             if other.num_computed_tokens >= len(other.prompt_token_ids):
                 continue                                   # decoding: takes no branch checkpoint
             shared = self._common_blocks(mine, self.block_hashes(other)) * self.block_size
+            shared = min(shared, req.max_prefix_hit // self.block_size * self.block_size)   # what a hit may serve
             if shared > have and other.num_computed_tokens < shared:
                 return True
         return False

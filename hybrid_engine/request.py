@@ -48,6 +48,10 @@ class Request:
     # Only ever appended to: each RequestOutput reads a prefix of these lazily (outputs.Prefix).
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt token scored so far, the first None
+    # (nothing predicts it); complete before the first output token. None when not asked, and
+    # for samples 1..n-1 of a group: sample 0 scores the prompt they share.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose KV and GDN state are in the cache. Per request, never shared with others:
     # a request's GDN state is valid exactly when this is > 0 (has_initial_state).
@@ -86,6 +90,24 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def prompt_positions_to_score(self, start: int, end: int) -> range:
+        """The positions in [start, end) whose logits give a prompt logprob still missing
+        (position p predicts prompt token p + 1); empty when none is asked for."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
+
+    @property
+    def max_prefix_hit(self) -> int:
+        """The most leading tokens a prefix-cache hit may serve: all but the last (whose logits
+        are needed), and none from a position still to be scored for prompt_logprobs (vLLM's
+        rule, that such a request reads no hit, kept to what it still needs: after a preemption
+        its scored part may be served)."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids):
+            limit = min(limit, len(self.prompt_logprobs) - 1)
+        return limit
 
     @property
     def caller_request_id(self) -> str:

@@ -96,4 +96,5 @@ class RequestGroup:
         first = outputs[0]
         return RequestOutput(request_id=self.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=finished,
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=self.samples[0].prompt_logprobs)   # it scores the shared prompt

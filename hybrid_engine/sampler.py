@@ -200,19 +200,26 @@ def _raw_logprobs(raw: Tensor, tokens: Tensor, rows: list[SamplingRow]) -> list[
     result: list[dict[int, float] | None] = [None] * len(rows)
     if not wanted:
         return result
-    logprobs = raw[wanted].log_softmax(dim=-1)
-    n = min(max(rows[i].params.logprobs for i in wanted), raw.shape[-1])
-    top_values, top_ids = logprobs.topk(n, dim=-1)
-    chosen = tokens[wanted]
-    chosen_values = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    for i, ids, values, token, value in zip(
-        wanted, top_ids.tolist(), top_values.tolist(), chosen.tolist(), chosen_values.tolist()
-    ):
-        n_row = rows[i].params.logprobs
-        entry = dict(zip(ids[:n_row], values[:n_row]))
-        entry.setdefault(token, value)
+    entries = top_logprobs(raw[wanted].log_softmax(dim=-1), tokens[wanted], [rows[i].params.logprobs for i in wanted])
+    for i, entry in zip(wanted, entries):
         result[i] = entry
     return result
+
+
+def top_logprobs(logprobs: Tensor, chosen: Tensor, counts: list[int]) -> list[dict[int, float]]:
+    """{token: logprob} per row of `logprobs` [N, V]: its counts[i] most likely tokens, then
+    chosen[i] if not among them (the format of every logprobs output: sampled tokens' and the
+    prompt's, hybrid_engine/prompt_logprobs.py)."""
+    n = min(max(counts, default=0), logprobs.shape[-1])
+    top_values, top_ids = logprobs.topk(n, dim=-1)
+    chosen_values = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    entries = []
+    for ids, values, token, value, k in zip(top_ids.tolist(), top_values.tolist(), chosen.tolist(),
+                                            chosen_values.tolist(), counts):
+        entry = dict(zip(ids[:k], values[:k]))
+        entry.setdefault(token, value)
+        entries.append(entry)
+    return entries
 
 
 def _token_counts(token_lists: list[list[int]], like: Tensor) -> Tensor:

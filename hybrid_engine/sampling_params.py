@@ -44,6 +44,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     logprobs: int | None = None  # N most likely tokens (plus the chosen one) per step
+    # N most likely tokens (plus the prompt's own) at each prompt position after the first
+    # (vLLM's; RequestOutput.prompt_logprobs). The request then computes its whole prompt:
+    # a prefix-cache hit would skip positions whose logits these need.
+    prompt_logprobs: int | None = None
     # vLLM's: keep a stop string, and a stop token's text, in the output text (dropped by default)
     include_stop_str_in_output: bool = False
     n: int = 1  # independent samples of the prompt, each a CompletionOutput of one RequestOutput
@@ -122,8 +126,10 @@ class SamplingParams:
             _fail("ignore_eos", self.ignore_eos, "a bool")
         if not isinstance(self.include_stop_str_in_output, bool):
             _fail("include_stop_str_in_output", self.include_stop_str_in_output, "a bool")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= vocab_size):
-            _fail("logprobs", self.logprobs, f"None or an int in [0, {vocab_size}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= vocab_size):
+                _fail(name, value, f"None or an int in [0, {vocab_size}]")
 
 
 def _as_list(value):

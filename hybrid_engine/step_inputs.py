@@ -59,12 +59,25 @@ class Segment:
 
 
 @dataclass
+class PromptRows:
+    """Rows of a prefill segment whose logits score its prompt (SamplingParams.prompt_logprobs):
+    hidden row first_row + i predicts prompt token first_token + i. They go through lm_head
+    after the forward (hybrid_engine/prompt_logprobs.py), not among the sampling rows."""
+
+    segment: Segment
+    first_row: int
+    first_token: int
+    num_rows: int
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor
     batch: ForwardBatch
     segments: list[Segment]
     # (segment, first logits row, number of logits rows) for each segment that samples
     sample_spans: list[tuple[Segment, int, int]]
+    prompt_rows: list[PromptRows] = dataclasses.field(default_factory=list)
 
 
 class StepInputBuilder(PackedBuffers):
@@ -219,7 +232,7 @@ class StepInputBuilder(PackedBuffers):
         bs = self.block_size
         decode_len = segments[-1].num_tokens if len(segments) > num_prefills else 1
         ids, positions, slots, cu, seq_lens, state_slots, has_init = [], [], [], [0], [], [], []
-        tables, write_slots, logits_rows, spans, query_lens = [], [], [], [], []
+        tables, write_slots, logits_rows, spans, query_lens, prompt_rows = [], [], [], [], [], []
         for seg in segments:
             req, start, n = seg.request, seg.start, seg.num_tokens
             end = start + n
@@ -238,6 +251,9 @@ class StepInputBuilder(PackedBuffers):
             has_init.append(start > 0)     # per request: GDN state exists iff it cached tokens
             tables.append(rc.block_table)
             query_lens.append(n)
+            scored = req.prompt_positions_to_score(start, end)
+            if scored:
+                prompt_rows.append(PromptRows(seg, seg.first_row + scored.start - start, scored.start + 1, len(scored)))
             if seg.samples:
                 # A prefill samples from its last token; a decode/verify from all of its tokens.
                 first = seg.first_row if seg.is_decode else seg.first_row + n - 1
@@ -275,7 +291,7 @@ class StepInputBuilder(PackedBuffers):
             recurrent_prefill=self._recurrent_prefill(segments[:num_prefills], cache)
             if num_prefills and self.recurrent_prefill else None,
         )
-        return StepInputs(self.input_ids[:t], batch, segments, spans)
+        return StepInputs(self.input_ids[:t], batch, segments, spans, prompt_rows)
 
     def _recurrent_prefill(self, prefills: list[Segment], cache: HybridCacheManager) -> RecurrentPrefill:
         """The prefill segments cut into pieces at their captures (in the order of _gdn_captures),

@@ -4,7 +4,8 @@ requests and the cache in one place (nano-vllm's `postprocess`, vLLM's `update_f
 For each segment of the step, in packing order:
 1. commit: the cache's committed length moves to what this step made valid (a prefill chunk, a
    decode's token, or a verify's last token plus its accepted drafts), and after a verify the
-   committed GDN slot moves with it, in one cache verb;
+   committed GDN slot moves with it, in one cache verb; a prefill chunk's prompt logprobs
+   (SamplingParams.prompt_logprobs) are added to the request's;
 2. append the emitted tokens one at a time, applying every stop rule after each: a stop
    inside a verify's accepted drafts drops the tokens after it;
 3. a finished request leaves the scheduler and its memory is freed; a running one takes the
@@ -45,6 +46,8 @@ class StepOutput:
     results: list[SegmentResult]        # one per segment of the step, in packing order
     drafts: dict[str, list[int]]        # request id -> the drafts its next step verifies
     hidden: torch.Tensor                # the target's final-normed hidden rows (prefix checkpoints keep some)
+    # request id -> the prompt logprobs its prefill chunk scored (prompt_logprobs.py), in order
+    prompt_logprobs: dict[str, list[dict[int, float]]]
 
 
 class StepUpdater:
@@ -64,6 +67,9 @@ class StepUpdater:
         for result in step.results:
             req = result.segment.request
             self._commit(result)
+            scored = step.prompt_logprobs.get(req.request_id)
+            if scored:
+                req.prompt_logprobs.extend(scored)
             if self.prefix is not None:
                 self.prefix.cache_blocks(req)
             new = []
@@ -168,4 +174,4 @@ def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOu
                  "spec_decode": req.spec_stats.as_dict() if req.spec_stats is not None else None})
     return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                          outputs=[completion], finished=req.finish_reason is not None,
-                         num_cached_tokens=req.num_cached_tokens)
+                         num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs)

@@ -1,6 +1,7 @@
 """`hybrid-engine serve` through the real openai client, on the embedded default model, against a
 server on 127.0.0.1 started in the test: outputs equal LLM.generate's, streams join to the
-non-streamed text, usage, n, stop strings, logprobs, errors, auth, tokenize, health, metrics."""
+non-streamed text, usage, n, stop strings, logprobs (echoed prompts' too), errors, auth,
+tokenize, health, metrics."""
 
 import json
 
@@ -163,6 +164,65 @@ def test_logprobs_in_both_formats(llm, api):
     assert streamed == pytest.approx([c.logprob for c in content])
 
 
+def _prompt_part(llm, prompt, k):
+    """The offline prompt logprobs of `prompt` (the embedded model's distribution) as the
+    completions format lists them: per prompt token its logprob and its k best, the first null."""
+    out = llm.generate(prompt, offline_params(llm, temperature=0.0, max_tokens=1, prompt_logprobs=k),
+                       use_tqdm=False)[0]
+    tok = llm.tokenizer
+    values = [None] + [e[t] for e, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    tops = [None] + [{tok.decode([t]): v for t, v in sorted(e.items(), key=lambda kv: -kv[1])[:k]}
+                     for e in out.prompt_logprobs[1:]]
+    return out.prompt_token_ids, values, tops
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(llm, api):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0 -> the prompt
+    alone, its tokens' logprobs (the first null), top_logprobs and offsets."""
+    ids, values, tops = _prompt_part(llm, PROMPTS[2], 3)
+    tok = llm.tokenizer
+    r = api.completions.create(model="default", prompt=PROMPTS[2], max_tokens=0, echo=True, logprobs=3,
+                               temperature=0)
+    choice = r.choices[0]
+    assert choice.text == tok.decode(ids) and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(values[1:])
+    for got, want in zip(lp.top_logprobs[1:], tops[1:]):
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    by_ids = api.completions.create(model="default", prompt=ids, max_tokens=0, echo=True, logprobs=3)
+    assert by_ids.choices[0].logprobs.token_logprobs == lp.token_logprobs
+
+
+def test_echo_with_logprobs_then_the_completion(llm, api):
+    expected = greedy(llm, PROMPTS[0], max_tokens=4, logprobs=2)
+    ids, values, _ = _prompt_part(llm, PROMPTS[0], 2)
+    r = api.completions.create(model="default", prompt=PROMPTS[0], max_tokens=4, echo=True, logprobs=2,
+                               temperature=0)
+    choice = r.choices[0]
+    assert choice.text == llm.tokenizer.decode(ids) + expected.text
+    generated = [d[t] for d, t in zip(expected.logprobs, expected.token_ids)]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(values[1:] + generated)
+    assert len(choice.logprobs.tokens) == len(ids) + 4 and r.usage.completion_tokens == 4
+    # streamed: the echo comes with the prompt's logprobs, then the completion as usual
+    chunks = [c.choices[0] for c in api.completions.create(model="default", prompt=PROMPTS[0], max_tokens=4,
+                                                            echo=True, logprobs=2, temperature=0, stream=True)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert chunks[0].text == llm.tokenizer.decode(ids)
+    assert chunks[0].logprobs.token_logprobs == choice.logprobs.token_logprobs[:len(ids)]
+    streamed = [v for c in chunks[1:] if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(generated)
+    only = [c.choices[0] for c in api.completions.create(model="default", prompt=PROMPTS[0], max_tokens=0,
+                                                          echo=True, logprobs=2, stream=True) if c.choices]
+    assert [c.text for c in only] == [llm.tokenizer.decode(ids), ""] and only[-1].finish_reason == "length"
+    assert only[0].logprobs.token_logprobs == choice.logprobs.token_logprobs[:len(ids)]
+
+
 def _post(server, path, body, key=None):
     headers = {"Content-Type": "application/json"}
     if key is not None:
@@ -178,7 +238,7 @@ def _post(server, path, body, key=None):
     ("/v1/completions", {"model": "default", "prompt": "x", "frobnicate": 1}, "frobnicate: unknown field"),
     ("/v1/completions", {"model": "default", "prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 0}, "0 is allowed only with echo"),
     ("/v1/completions", {"model": "default", "prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"model": "default", "prompt": ""}, "prompt is empty"),
     ("/v1/completions", {"model": "default", "prompt": [99999]}, "outside the vocabulary"),

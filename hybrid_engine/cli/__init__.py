@@ -1,8 +1,8 @@
-"""`hybrid-engine` console script: generate, bench, inspect (and `inspect diff`).
+"""`hybrid-engine` console script: generate, bench, inspect (and `inspect diff`), serve, perplexity.
 
 Each command is a module of this package (generate.py, bench.py, inspect.py with
-inspect_prefix.py, serve.py: NAME, HELP, DESCRIPTION, add_arguments, run); this file holds what
-they share: the parser, the engine and prompt options,
+inspect_prefix.py, serve.py, perplexity.py: NAME, HELP, DESCRIPTION, add_arguments, run); this
+file holds what they share: the parser, the engine and prompt options,
 and the one rule for errors: a user's mistake (a bad flag value, a missing model folder, a
 bad prompt, an unreadable snapshot, speculation without an MTP head) is one line on stderr,
 `hybrid-engine: error: ...`, and exit code 2. A bug still shows its traceback.
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from . import bench, generate, inspect, serve
+    from . import bench, generate, inspect, perplexity, serve
 
     # `inspect diff A B` has its own positionals; `inspect [PROMPT ...]` takes prompts.
     if argv[:2] == ["inspect", "diff"]:
@@ -65,7 +65,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                      epilog="`hybrid-engine inspect diff A B` compares two snapshots. "
                             "`hybrid-engine COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (generate, bench, inspect, serve):
+    for module in (generate, bench, inspect, serve, perplexity):
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -123,7 +123,8 @@ def build_engine(args, num_speculative_tokens: int = 0, dtype: str | None = None
 
 
 def engine_arguments(args, num_speculative_tokens: int = 0, dtype: str | None = None) -> dict:
-    """The engine flags, checked, as LLM's (and EngineConfig's) keyword arguments."""
+    """The engine flags, checked, as LLM's (and EngineConfig's) keyword arguments: the one place
+    every command's engine is configured from its flags (add_engine_arguments)."""
     import torch
 
     if args.model is not None and not Path(args.model).is_dir():

@@ -33,7 +33,7 @@ DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
 
 
 def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                  defaults: SamplingParams) -> list[SamplingParams]:
+                  defaults: SamplingParams, prompt_logprobs: int | None = None) -> list[SamplingParams]:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
@@ -44,7 +44,8 @@ def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         out.append(replace(
             defaults, **given, max_tokens=max_tokens, min_tokens=req.min_tokens,
             seed=None if req.seed is None else req.seed + i, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output))
+            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output))
     return out
 
 
