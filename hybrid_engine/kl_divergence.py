@@ -74,13 +74,31 @@ class KLResult:
     base_mass_outside: float             # mean base probability outside S (how far below the full KL)
 
 
+def _run_at_base(base_ids: torch.Tensor, run_ids: torch.Tensor, run_lp: torch.Tensor) -> torch.Tensor:
+    """The run's logprob of each of the base's listed tokens, -inf where the run does not list
+    it (or the base's slot is empty, id < 0): [N, base slots]. Rows go a chunk at a time through
+    one dense vocabulary-wide row each (at most DENSE_ELEMENTS at once): comparing every base slot
+    with every run slot would take N x k x k memory (85 GB at k = 1024 over 10k tokens)."""
+    vocab = int(max(base_ids.max(), run_ids.max(), 0)) + 1
+    chunk = max(1, DENSE_ELEMENTS // vocab)
+    out = torch.empty(base_ids.shape, dtype=run_lp.dtype)
+    for start in range(0, base_ids.shape[0], chunk):
+        ids, lps = run_ids[start:start + chunk], run_lp[start:start + chunk]
+        dense = torch.full((ids.shape[0], vocab), -math.inf, dtype=run_lp.dtype)
+        dense.scatter_reduce_(1, ids.clamp(min=0), torch.where(ids >= 0, lps, -math.inf), "amax")
+        wanted = base_ids[start:start + chunk]
+        out[start:start + chunk] = torch.where(wanted >= 0, dense.gather(1, wanted.clamp(min=0)), -math.inf)
+    return out
+
+
+DENSE_ELEMENTS = 1 << 24
+
+
 def kl_divergence(base: ScoredTokens, run: ScoredTokens) -> KLResult:
     """Per scored token, KL over S and the rest (module docstring); both runs of the same tokens."""
     base_ids, base_lp, run_ids, run_lp = base.top_ids, base.top_logprobs, run.top_ids, run.top_logprobs
-    # [N, base slot, run slot]: the run's entry for each of the base's tokens, where it has one
-    match = (base_ids[:, :, None] == run_ids[:, None, :]) & (base_ids[:, :, None] >= 0)
-    in_s = match.any(-1)
-    run_at_base = torch.where(match, run_lp[:, None, :], -math.inf).amax(-1)
+    run_at_base = _run_at_base(base_ids, run_ids, run_lp)
+    in_s = run_at_base > -math.inf
     p = torch.where(in_s, base_lp.exp(), 0.0)
     q = torch.where(in_s, run_at_base.exp(), 0.0)
     inside = torch.where(in_s, p * (base_lp - run_at_base), 0.0).sum(-1)
