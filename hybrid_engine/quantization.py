@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from .kernels.linear import LinearMethod
+from .kernels.linear.reference import shard_names
 from .kernels.linear.quantized import QuantizedLinearMethod, check_scheme, native_takes
 
 METHODS = {"int8": 8, "int4": 4}
@@ -97,12 +98,49 @@ class QuantizedLayers:
                         ", ".join(self.kept_float[:5]) + (" ..." if len(self.kept_float) > 5 else ""))
 
 
+class CheckpointLayers(QuantizedLayers):
+    """The same for a checkpoint stored quantized (hybrid_engine/checkpoint_formats/): a
+    projection is quantized where the checkpoint holds it so (its format's tensors beside its
+    name), each shard of a merged one on its own (GDN's b / a float beside a quantized in_proj),
+    as the checkpoint's own choice rules (a quantized MTP head loads quantized, a 16-bit one
+    stays 16-bit)."""
+
+    def __init__(self, checkpoint, names: set[str], float_method: LinearMethod, native: bool):
+        scheme = Quantization("int8" if checkpoint.bits == 8 else "int4", checkpoint.group_size)
+        super().__init__(scheme, float_method, native)
+        self.checkpoint, self.names = checkpoint, names
+
+    def __call__(self, name: str, layer) -> LinearMethod:
+        projections = [base for base, _ in shard_names(layer, name)]
+        quantized = [base for base in projections if f"{base}.weight_packed" in self.names]
+        if not quantized:
+            return self.float_method
+        float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
+        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
+                                     float_shards=float_shards, checkpoint=self.checkpoint)
+
+    def progress_bar(self, layers):
+        return layers                                  # nothing to quantize: the layers only repack
+
+    def report(self) -> None:
+        pass
+
+
 def quantized_layers(config, float_method: LinearMethod, kernels) -> QuantizedLayers | None:
-    """The per-layer methods of an engine whose config asks for quantization (EngineConfig), the
-    native kernel's where its backend is the cpu one and the kernels build; else None."""
+    """The per-layer methods of an engine whose config asks for quantization (EngineConfig) or
+    whose checkpoint is stored quantized; the native kernel's where its backend is the cpu one
+    and the kernels build. None: float weights."""
+    from .checkpoint_formats import compressed_tensors
+    from .kernels.backends import native_cpu_available
+    from .models.loader import checkpoint_names
     scheme = parse_quantization(config.quantization, config.quantization_group_size)
+    stored = compressed_tensors.read_config(config.model)
+    native = kernels.name == "cpu" and native_cpu_available()
+    if stored is not None:
+        if scheme is not None:
+            raise ValueError(f"{config.model} is stored quantized already (int{stored.bits}, groups of "
+                             f"{stored.group_size}): leave quantization unset")
+        return CheckpointLayers(stored, checkpoint_names(config.model), float_method, native)
     if scheme is None:
         return None
-    from .kernels.backends import native_cpu_available
-    native = kernels.name == "cpu" and native_cpu_available()
     return QuantizedLayers(scheme, float_method, native)

@@ -41,13 +41,14 @@ class Linear(nn.Module):
         self.method.create_weights(self, in_features, self.out_features)
         self._product = functools.partial(self.method.apply, self)
 
-    def use_method(self, method: LinearMethod) -> None:
+    def use_method(self, method: LinearMethod, dtype: torch.dtype | None = None) -> None:
         """Before loading: holds this layer's weights with `method` instead (a per-layer choice,
-        such as a quantization config's, made once the model's layer names are known)."""
+        such as a quantization config's, made once the model's layer names are known); dtype:
+        the model's, which the layer's products take and give."""
         if not self.weight.is_meta:
             raise RuntimeError("use_method: the layer's weights are loaded already")
         self.method = method
-        method.create_weights(self, self.in_features, self.out_features)
+        method.create_weights(self, self.in_features, self.out_features, dtype)
         self._product = functools.partial(method.apply, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,27 +61,14 @@ class Linear(nn.Module):
     __call__ = forward
 
     def checkpoint_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
-        """The checkpoint tensors this layer loads (names relative to the model), with shapes.
+        """The checkpoint tensors this layer loads (names relative to the model), with shapes: what
+        its method holds (a plain `weight` per projection, or a quantized checkpoint's tensors).
         prefix: this layer's own name in the model ("layers.0.self_attn.qkv_proj")."""
-        if self.shards is None:
-            return {f"{prefix}.weight": (self.out_features, self.in_features)}
-        parent = prefix.rpartition(".")[0]
-        parent = parent + "." if parent else ""
-        return {f"{parent}{shard}.weight": (rows, self.in_features) for shard, rows in self.shards.items()}
+        return self.method.checkpoint_tensors(self, prefix)
 
     def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
-        """Takes one checkpoint tensor (a name of `checkpoint_shapes`). A single projection keeps
-        the loaded tensor itself (no copy); a merged one writes it into its rows."""
-        if self.shards is None:
-            self.weight = nn.Parameter(loaded, requires_grad=False)
-            return
-        shard = name.rpartition(".")[0].rpartition(".")[2]
-        if self.weight.is_meta:
-            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=loaded.dtype,
-                                                   device=loaded.device), requires_grad=False)
-        names = list(self.shards)
-        start = sum(self.output_sizes[:names.index(shard)])
-        self.weight.data[start:start + self.shards[shard]].copy_(loaded)
+        """Takes one checkpoint tensor (a name of `checkpoint_shapes`), as the method holds it."""
+        self.method.load_tensor(self, name, loaded)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)

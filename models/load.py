@@ -66,7 +66,7 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
         if methods is not None:
             for name, module in model.named_modules():
                 if isinstance(module, Linear):
-                    module.use_method(methods(name, module))
+                    module.use_method(methods(name, module), torch_dtype)
     tensors = _checkpoint_tensors(model)
     weights = load_weights(folder, cfg, {name: shape for name, (shape, _) in tensors.items()}, torch_dtype)
     if not with_mtp or not any(name.startswith("mtp.") for name in weights):

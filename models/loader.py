@@ -38,9 +38,18 @@ _FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _MAX_LISTED = 5
 # safetensors dtype names of floating tensors: F64, F32, F16, BF16, F8_E4M3, F8_E5M2, ...
 _FLOAT_DTYPES = ("F", "BF")
+# Tensors of quantized checkpoint formats (hybrid_engine/checkpoint_formats/) are read as stored:
+# integer codes, and scales at the precision their format chose (not cast to the load dtype).
+STORED_AS_IS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def stored_as_is(name: str) -> bool:
+    return name.rpartition(".")[2] in STORED_AS_IS
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_QKVZ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_qkvz\.weight$")
+# (a quantized checkpoint stores the grouped in_proj_qkvz's packed values and scales row by row
+# as the float weight: each de-interleaves the same way)
+_QKVZ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_qkvz\.(?P<suffix>weight|weight_packed|weight_scale|weight_shape)$")
 _BA_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_ba\.weight$")
 
 
@@ -152,6 +161,23 @@ def _check_shape(what: str, found: tuple[int, ...], want: tuple[int, ...], file:
         )
 
 
+def checkpoint_names(folder: str | Path) -> set[str]:
+    """The internal names of every tensor in `folder`'s safetensors files (headers only), a
+    grouped in_proj_qkvz's under the names of the parts it loads as too."""
+    files, _ = _list_files(Path(folder))
+    names = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names.update(n for n in map(map_name, f.keys()) if n is not None)
+        except Exception as e:
+            raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
+    for name in list(names):
+        if m := _QKVZ_RE.match(name):
+            names.update(f"{m['prefix']}.{part}.{m['suffix']}" for part in ("in_proj_qkv", "in_proj_z"))
+    return names
+
+
 # ---- main entry point ----------------------------------------------------------------------------
 
 def load_weights(
@@ -204,7 +230,7 @@ def load_weights(
     # 2. plan: internal name -> how to build it from raw tensors
     direct: dict[str, _Source] = {}
     experts: dict[str, dict[str, dict[int, _Source]]] = {}  # "<...>.experts" -> proj -> idx -> src
-    qkvz: dict[str, _Source] = {}  # "<...>.linear_attn" -> src
+    qkvz: dict[tuple[str, str], _Source] = {}  # ("<...>.linear_attn", tensor suffix) -> src
     ba: dict[str, _Source] = {}
     for key, src in raw.items():
         name = map_name(key)
@@ -213,7 +239,7 @@ def load_weights(
         if m := _EXPERT_RE.match(name):
             experts.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["idx"])] = src
         elif m := _QKVZ_RE.match(name):
-            qkvz[m["prefix"]] = src
+            qkvz[(m["prefix"], m["suffix"])] = src
         elif m := _BA_RE.match(name):
             ba[m["prefix"]] = src
         else:
@@ -255,9 +281,9 @@ def load_weights(
             if provided.get(name, ("",))[0] == kind:
                 continue  # gate_proj and up_proj feed the same fused tensor
             provide(name, (kind, prefix), next(iter(projs[proj].values())).key)
-    for prefix, src in sorted(qkvz.items()):
-        provide(f"{prefix}.in_proj_qkv.weight", ("qkvz", prefix), src.key)
-        provide(f"{prefix}.in_proj_z.weight", ("qkvz", prefix), src.key)
+    for (prefix, suffix), src in sorted(qkvz.items()):
+        provide(f"{prefix}.in_proj_qkv.{suffix}", ("qkvz", (prefix, suffix)), src.key)
+        provide(f"{prefix}.in_proj_z.{suffix}", ("qkvz", (prefix, suffix)), src.key)
     for prefix, src in sorted(ba.items()):
         provide(f"{prefix}.in_proj_b.weight", ("ba", prefix), src.key)
         provide(f"{prefix}.in_proj_a.weight", ("ba", prefix), src.key)
@@ -291,7 +317,8 @@ def load_weights(
     # 4. dtype and shape checks against headers, before any data is read
     for src in raw.values():
         # Every tensor the model has is floating point; an int or bool one is a broken export.
-        if map_name(src.key) is not None and not src.dtype.startswith(_FLOAT_DTYPES):
+        name = map_name(src.key)
+        if name is not None and not stored_as_is(name) and not src.dtype.startswith(_FLOAT_DTYPES):
             raise CheckpointError(f"tensor {src.key} in {src.file.name} is stored as {src.dtype}; "
                                   "weights must be floating point (F32, BF16, F16, ...)")
     for name, want in wanted.items():
@@ -318,6 +345,9 @@ def load_weights(
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {src.key} from checkpoint file {src.file}: {e}") from e
 
+    def read_as_stored(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous()
+
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
 
@@ -327,7 +357,7 @@ def load_weights(
                 continue
             kind, arg = provided[name]
             if kind == "direct":
-                out[name] = cast(read(arg))
+                out[name] = read(arg).contiguous() if stored_as_is(name) else cast(read(arg))
             elif kind == "experts_gate_up":
                 projs = experts[arg]
                 n = len(projs["gate_proj"])
@@ -339,8 +369,10 @@ def load_weights(
                 projs = experts[arg]
                 out[name] = torch.stack([cast(read(projs["down_proj"][e])) for e in range(len(projs["down_proj"]))])
             elif kind == "qkvz":
-                qkv, z = split_qkvz(read(qkvz[arg]), config)
-                out[f"{arg}.in_proj_qkv.weight"], out[f"{arg}.in_proj_z.weight"] = cast(qkv), cast(z)
+                prefix, suffix = arg
+                qkv, z = split_qkvz(read(qkvz[arg]), config, rows_only=suffix == "weight_shape")
+                keep = read_as_stored if stored_as_is(suffix) else cast
+                out[f"{prefix}.in_proj_qkv.{suffix}"], out[f"{prefix}.in_proj_z.{suffix}"] = keep(qkv), keep(z)
             elif kind == "ba":
                 b, a = split_ba(read(ba[arg]), config)
                 out[f"{arg}.in_proj_b.weight"], out[f"{arg}.in_proj_a.weight"] = cast(b), cast(a)
@@ -397,17 +429,23 @@ def _hidden_from(wanted_shapes: Iterable[tuple | None], src: _Source) -> int:
     return src.shape[-1] if src.shape else 0
 
 
-def _check_qkvz(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], prefix: str):
-    """Check the grouped source against the shapes the caller wants for in_proj_qkv / in_proj_z."""
+def _check_qkvz(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], arg: tuple[str, str]):
+    """Check the grouped source against the shapes the caller wants for in_proj_qkv / in_proj_z
+    (a quantized checkpoint's packed values and scales have rows as the weight; its weight_shape
+    is [2]: read and split as its values)."""
+    prefix, suffix = arg
     hk, hv, dk, dv, r = _gdn_dims(config)
-    qkv_w = wanted.get(f"{prefix}.in_proj_qkv.weight")
-    z_w = wanted.get(f"{prefix}.in_proj_z.weight")
+    qkv_w = wanted.get(f"{prefix}.in_proj_qkv.{suffix}")
+    z_w = wanted.get(f"{prefix}.in_proj_z.{suffix}")
+    if suffix == "weight_shape":
+        _check_shape(src.key, src.shape, (2,), src.file)
+        return
     hidden = _hidden_from((qkv_w, z_w), src)
     _check_shape(src.key, src.shape, (2 * hk * dk + 2 * hv * dv, hidden), src.file)
     if qkv_w is not None:
-        _check_shape(f"{prefix}.in_proj_qkv.weight (from {src.key})", qkv_w, (2 * hk * dk + hv * dv, hidden))
+        _check_shape(f"{prefix}.in_proj_qkv.{suffix} (from {src.key})", qkv_w, (2 * hk * dk + hv * dv, hidden))
     if z_w is not None:
-        _check_shape(f"{prefix}.in_proj_z.weight (from {src.key})", z_w, (hv * dv, hidden))
+        _check_shape(f"{prefix}.in_proj_z.{suffix} (from {src.key})", z_w, (hv * dv, hidden))
 
 
 def _check_ba(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], prefix: str):
@@ -422,10 +460,14 @@ def _check_ba(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], pr
             _check_shape(f"{prefix}.{what}.weight (from {src.key})", w, (hv, hidden))
 
 
-def split_qkvz(w: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def split_qkvz(w: torch.Tensor, config: ModelConfig, rows_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-Next in_proj_qkvz [Hk*(2dk + 2r*dv), H], grouped per key head as
-    [q_g | k_g | v_g (r heads) | z_g (r heads)] -> (in_proj_qkv [all q | all k | all v], in_proj_z)."""
+    [q_g | k_g | v_g (r heads) | z_g (r heads)] -> (in_proj_qkv [all q | all k | all v], in_proj_z).
+    rows_only: w is a quantized checkpoint's weight_shape [rows, H]: -> the parts' shapes."""
     hk, hv, dk, dv, r = _gdn_dims(config)
+    if rows_only:
+        cols = int(w.reshape(-1)[1])
+        return (torch.tensor([2 * hk * dk + hv * dv, cols], dtype=w.dtype), torch.tensor([hv * dv, cols], dtype=w.dtype))
     g = w.view(hk, 2 * dk + 2 * r * dv, w.shape[-1])
     q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
     qkv = torch.cat([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hv * dv, -1)], dim=0)

@@ -1,7 +1,8 @@
-"""`hybrid-engine` console script: generate, bench, inspect (and `inspect diff`), serve, perplexity.
+"""`hybrid-engine` console script: generate, bench, inspect (and `inspect diff`), serve, perplexity,
+quantize.
 
 Each command is a module of this package (generate.py, bench.py, inspect.py with
-inspect_prefix.py, serve.py, perplexity.py: NAME, HELP, DESCRIPTION, add_arguments, run); this
+inspect_prefix.py, serve.py, perplexity.py, quantize.py: NAME, HELP, DESCRIPTION, add_arguments, run); this
 file holds what they share: the parser, the engine and prompt options,
 and the one rule for errors: a user's mistake (a bad flag value, a missing model folder, a
 bad prompt, an unreadable snapshot, speculation without an MTP head) is one line on stderr,
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from . import bench, generate, inspect, perplexity, serve
+    from . import bench, generate, inspect, perplexity, quantize, serve
 
     # `inspect diff A B` has its own positionals; `inspect [PROMPT ...]` takes prompts.
     if argv[:2] == ["inspect", "diff"]:
@@ -65,7 +66,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                      epilog="`hybrid-engine inspect diff A B` compares two snapshots. "
                             "`hybrid-engine COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (generate, bench, inspect, serve, perplexity):
+    for module in (generate, bench, inspect, serve, perplexity, quantize):
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)

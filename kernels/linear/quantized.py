@@ -24,13 +24,13 @@ from the dequantized values, with x rounded the same way (int8_activations) or k
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .reference import LinearMethod, plain_linear
+from .reference import LinearMethod, plain_linear, shard_names
 
 BLOCK = 16
 BITS = (8, 4)
@@ -173,6 +173,20 @@ def native_takes(group_size: int) -> bool:
     return group_size % ACTIVATION_BLOCK == 0
 
 
+class QuantizedCheckpoint(Protocol):
+    """How a quantized checkpoint format stores one projection's weight (hybrid_engine/checkpoints/
+    holds the formats): the tensors it writes beside the projection's name, and how they read back
+    as a QuantizedWeight."""
+    bits: int
+    group_size: int
+
+    def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
+        """suffix ("weight_packed") -> shape, for a projection of `rows` x `in_features`."""
+
+    def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
+        """The projection `name`'s tensors (by suffix) -> its weight; ValueError naming what is wrong."""
+
+
 class QuantizedLinearMethod(LinearMethod):
     """A layer whose float weight is quantized once after loading (online quantization), or
     that a quantized checkpoint fills (`load_quantized`), held packed; products by the native
@@ -183,8 +197,11 @@ class QuantizedLinearMethod(LinearMethod):
     be the layer's last rows, and run as a plain product beside the quantized one."""
 
     def __init__(self, bits: int, group_size: int, native: bool = False, float_shards: tuple[str, ...] = (),
-                 int8_activations: bool | None = None):
+                 int8_activations: bool | None = None, checkpoint: QuantizedCheckpoint | None = None):
         check_scheme(bits, group_size)
+        # checkpoint: the layer loads its quantized projections as that format stores them
+        # (else it loads float weights and quantizes them after loading: online quantization)
+        self.checkpoint = checkpoint
         if native and not native_takes(group_size):
             raise ValueError(f"the native quantized kernel takes groups of a multiple of {ACTIVATION_BLOCK}, "
                              f"not {group_size}")
@@ -204,8 +221,51 @@ class QuantizedLinearMethod(LinearMethod):
             raise ValueError(f"float shards {self.float_shards} are not the last of {names}")
         return sum(layer.shards[name] for name in self.float_shards)
 
+    def _is_float_shard(self, name: str) -> bool:
+        return name.rpartition(".")[2] in self.float_shards
+
+    def checkpoint_tensors(self, layer: nn.Module, prefix: str) -> dict[str, tuple[int, ...]]:
+        if self.checkpoint is None:
+            return super().checkpoint_tensors(layer, prefix)
+        tensors = {}
+        for name, rows in shard_names(layer, prefix):
+            if self._is_float_shard(name):
+                tensors[f"{name}.weight"] = (rows, layer.in_features)
+            else:
+                tensors.update({f"{name}.{suffix}": shape for suffix, shape
+                                in self.checkpoint.tensor_shapes(rows, layer.in_features).items()})
+        return tensors
+
+    def load_tensor(self, layer: nn.Module, name: str, loaded: torch.Tensor) -> None:
+        if self.checkpoint is None:
+            return super().load_tensor(layer, name, loaded)
+        base, _, suffix = name.rpartition(".")
+        if not hasattr(layer, "checkpoint_parts"):
+            layer.checkpoint_parts = {}
+        layer.checkpoint_parts.setdefault(base, {})[suffix] = loaded
+
+    def _from_checkpoint(self, layer: nn.Module) -> None:
+        """The loaded tensors of each projection -> one QuantizedWeight of the quantized shards'
+        rows (in order) and the float shards' rows as the tail."""
+        parts = layer.__dict__.pop("checkpoint_parts", {})          # name -> {suffix: tensor}
+        by_shard = {name.rpartition(".")[2]: (name, tensors) for name, tensors in parts.items()}
+        projections = (list(layer.shards.items()) if layer.shards is not None
+                       else [(next(iter(by_shard)), layer.out_features)])
+        quantized, tail = [], []
+        for shard, rows in projections:
+            name, tensors = by_shard[shard]
+            if shard in self.float_shards:
+                tail.append(tensors["weight"])
+            else:
+                quantized.append(self.checkpoint.read(name, tensors, rows, layer.in_features))
+        qw = QuantizedWeight(torch.cat([q.values for q in quantized]), torch.cat([q.scales for q in quantized]),
+                             self.bits, self.group_size)
+        self.load_quantized(layer, qw, torch.cat(tail) if tail else None, layer.weight.dtype)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
+        if self.checkpoint is not None and weight.is_meta:
+            return self._from_checkpoint(layer)
         if weight.is_meta:
             return
         float_rows = self._float_rows(layer)

@@ -40,6 +40,16 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def shard_names(layer: nn.Module, prefix: str) -> list[tuple[str, int]]:
+    """(checkpoint name of each projection without its tensor suffix, its rows): the layer's own
+    name, or for a merged layer `<parent>.<shard>` per shard, in row order."""
+    if layer.shards is None:
+        return [(prefix, layer.out_features)]
+    parent = prefix.rpartition(".")[0]
+    parent = parent + "." if parent else ""
+    return [(f"{parent}{shard}", rows) for shard, rows in layer.shards.items()]
+
+
 class LinearMethod:
     """The reference method: one plain [out, in] weight, applied with torch ops."""
 
@@ -48,6 +58,26 @@ class LinearMethod:
         """Registers what the loader fills: `layer.weight` [out, in] (on the device in scope:
         the meta device while a model is built for loading)."""
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def checkpoint_tensors(self, layer: nn.Module, prefix: str) -> dict[str, tuple[int, ...]]:
+        """The checkpoint tensors the layer loads (names relative to the model) with their shapes:
+        one `weight` per projection; prefix: the layer's own name ("layers.0.self_attn.qkv_proj").
+        A merged layer (layer.shards) names each of its projections: `<parent>.<shard>.weight`."""
+        return {f"{name}.weight": (rows, layer.in_features) for name, rows in shard_names(layer, prefix)}
+
+    def load_tensor(self, layer: nn.Module, name: str, loaded: torch.Tensor) -> None:
+        """Takes one checkpoint tensor (a name of `checkpoint_tensors`). A single projection keeps
+        the loaded tensor itself (no copy); a merged one writes it into its rows."""
+        if layer.shards is None:
+            layer.weight = nn.Parameter(loaded, requires_grad=False)
+            return
+        shard = name.rpartition(".")[0].rpartition(".")[2]
+        if layer.weight.is_meta:
+            layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=loaded.dtype,
+                                                    device=loaded.device), requires_grad=False)
+        names = list(layer.shards)
+        start = sum(layer.output_sizes[:names.index(shard)])
+        layer.weight.data[start:start + layer.shards[shard]].copy_(loaded)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Once, after every weight of the layer is loaded: the plain weight stays as it is."""

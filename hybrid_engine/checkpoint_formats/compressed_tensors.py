@@ -1,0 +1,142 @@
+"""compressed-tensors `pack-quantized` checkpoints (llm-compressor's W4A16 / W8A16; what vLLM
+loads): reading them, and writing them (`hybrid-engine quantize`).
+
+A quantized projection `X` is stored as
+    X.weight_packed  int32 [out, in * bits / 32]: values q + 2^(bits-1), 32 / bits per int32,
+                     the first in the lowest bits
+    X.weight_scale   float [out, in / group_size]: W = q * scale
+    X.weight_shape   int [2]: (out, in)
+with config.json's `quantization_config`: {"quant_method": "compressed-tensors", "format":
+"pack-quantized", "config_groups": {NAME: {"targets": ["Linear"], "weights": {"num_bits": 4 | 8,
+"type": "int", "symmetric": true, "strategy": "group", "group_size": G, ...}}}, "ignore": [...]}.
+Which projections are quantized is read from the tensors themselves (a `weight_packed` beside
+the name), so an `ignore` list written any way works. Supported here: one config group, int,
+symmetric, group strategy with a group size the kernel takes (a multiple of 32); anything else
+is refused with the field that says so. Zero points (asymmetric) and activation ordering
+(`actorder`, g_idx) are not read yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
+from hybrid_engine.models.config import CheckpointError
+
+QUANT_METHOD = "compressed-tensors"
+FORMAT = "pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+
+
+@dataclass(frozen=True)
+class PackQuantized:
+    """One config group's weights: the QuantizedCheckpoint of kernels/linear/quantized.py."""
+    bits: int
+    group_size: int
+
+    def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
+        return {"weight_packed": (rows, math.ceil(in_features * self.bits / 32)),
+                "weight_scale": (rows, in_features // self.group_size), "weight_shape": (2,)}
+
+    def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
+        packed, scale, shape = tensors["weight_packed"], tensors["weight_scale"], tensors["weight_shape"]
+        if packed.dtype != torch.int32:
+            raise CheckpointError(f"tensor {name}.weight_packed is {packed.dtype}, not int32")
+        if shape.dtype.is_floating_point or [int(v) for v in shape.reshape(-1)] != [rows, in_features]:
+            raise CheckpointError(f"tensor {name}.weight_shape holds {shape.tolist()}, not [{rows}, {in_features}]")
+        if not scale.dtype.is_floating_point:
+            raise CheckpointError(f"tensor {name}.weight_scale is {scale.dtype}, not floating point")
+        values = unpack_int32(packed, self.bits, in_features)
+        scales = scale.to(torch.float16)
+        if not torch.isfinite(scales).all():
+            raise CheckpointError(f"tensor {name}.weight_scale holds values float16 cannot hold "
+                                  "(NaN, Inf, or beyond 65504)")
+        return QuantizedWeight(values, scales, self.bits, self.group_size)
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 values [out, in] -> weight_packed int32 [out, ceil(in * bits / 32)]."""
+    per_int = 32 // bits
+    shifted = (values.to(torch.int64) + (1 << (bits - 1)))
+    pad = -shifted.shape[1] % per_int
+    shifted = torch.nn.functional.pad(shifted, (0, pad)).reshape(shifted.shape[0], -1, per_int)
+    packed = sum(shifted[..., i] << (bits * i) for i in range(per_int))
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """weight_packed int32 -> the int8 values [out, in_features]."""
+    per_int, mask = 32 // bits, (1 << bits) - 1
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    fields = torch.stack([(words >> (bits * i)) & mask for i in range(per_int)], dim=-1)
+    return (fields.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (bits - 1))).to(torch.int8)
+
+
+def read_config(folder: str | Path) -> PackQuantized | None:
+    """The checkpoint's pack-quantized scheme, None for a checkpoint without quantization_config;
+    CheckpointError naming the field for one this engine does not read."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None                  # models/config.py reports an unreadable config.json
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant is None:
+        return None
+    where = f"{path}: quantization_config"
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{where} is not an object")
+    method = quant.get("quant_method")
+    if method != QUANT_METHOD:
+        raise CheckpointError(f"{where}.quant_method {method!r} is not supported; this engine reads "
+                              f"{QUANT_METHOD!r} ({FORMAT}) checkpoints, or quantizes float ones itself "
+                              "(quantization='int8' | 'int4')")
+    if quant.get("format") != FORMAT:
+        raise CheckpointError(f"{where}.format {quant.get('format')!r} is not supported (only {FORMAT!r})")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise CheckpointError(f"{where}.config_groups must hold exactly one group, got "
+                              f"{len(groups) if isinstance(groups, dict) else groups!r}")
+    (group_name, group), = groups.items()
+    weights = group.get("weights") if isinstance(group, dict) else None
+    field = f"{where}.config_groups.{group_name}.weights"
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{field} is missing")
+    expected = {"type": "int", "symmetric": True, "strategy": "group"}
+    for key, value in expected.items():
+        if weights.get(key) != value:
+            raise CheckpointError(f"{field}.{key} is {weights.get(key)!r}; this engine reads {value!r} only")
+    if weights.get("actorder") not in (None, False):
+        raise CheckpointError(f"{field}.actorder {weights.get('actorder')!r} is not supported")
+    if group.get("input_activations") is not None:
+        raise CheckpointError(f"{where}.config_groups.{group_name}.input_activations is set: only weight-only "
+                              "quantization (W4A16, W8A16) is supported")
+    bits, group_size = weights.get("num_bits"), weights.get("group_size")
+    if bits not in (4, 8):
+        raise CheckpointError(f"{field}.num_bits {bits!r} is not supported (4 or 8)")
+    try:
+        check_scheme(bits, group_size)
+    except ValueError as e:
+        raise CheckpointError(f"{field}.group_size: {e}") from None
+    if group_size % 32:
+        raise CheckpointError(f"{field}.group_size {group_size} is not a multiple of 32, which the kernels need")
+    return PackQuantized(bits, group_size)
+
+
+def quantization_config(scheme: PackQuantized, ignore: list[str]) -> dict:
+    """config.json's quantization_config for checkpoints `hybrid-engine quantize` writes."""
+    return {
+        "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": scheme.bits, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": scheme.group_size, "dynamic": False, "actorder": None,
+                        "observer": "minmax"},
+            "input_activations": None, "output_activations": None}},
+        "ignore": sorted(ignore),
+    }

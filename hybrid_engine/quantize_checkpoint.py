@@ -1,0 +1,114 @@
+"""`hybrid-engine quantize SRC DST`: a float checkpoint written as a compressed-tensors
+pack-quantized one (hybrid_engine/checkpoint_formats/compressed_tensors.py), which loads here
+(and in vLLM) without quantizing at every start.
+
+The projections quantized are the ones online quantization quantizes (hybrid_engine/
+quantization.py: the same rule, the same values), with one exception: a tied lm_head stays
+float with its embedding table, as in community int4 checkpoints (its own quantized copy would
+be a second table on disk). Every other tensor is copied as stored; each output file holds what
+its input file held, and the index (if any) follows. The `ignore` list names every projection
+left float (GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router, gates and experts).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .checkpoint_formats import compressed_tensors
+from .kernels.linear import LinearMethod
+from .kernels.linear.quantized import QuantizedLinearMethod, quantize
+from .kernels.linear.reference import shard_names
+from .models.config import CheckpointError, load_config
+from .models.linear import Linear
+from .models.loader import INDEX_NAME, map_name
+from .models.qwen3_5 import HybridForCausalLM
+from .quantization import Quantization, QuantizedLayers
+
+
+def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
+    """The internal names (`layers.0.mlp.down_proj.weight`) of the tensors online quantization
+    quantizes in this checkpoint's model, less a tied lm_head."""
+    cfg = load_config(folder)
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0)
+    policy = QuantizedLayers(scheme, LinearMethod(), native=False)
+    names = set()
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or (name == "lm_head" and cfg.tie_word_embeddings):
+            continue
+        method = policy(name, layer)
+        if isinstance(method, QuantizedLinearMethod):
+            names.update(f"{base}.weight" for base, _ in shard_names(layer, name)
+                         if base.rpartition(".")[2] not in method.float_shards)
+    # Qwen3-Next stores in_proj_qkv and in_proj_z grouped as one in_proj_qkvz (models/loader.py):
+    # quantized row by row, it quantizes as its parts do
+    names.update(n.replace(".in_proj_qkv.", ".in_proj_qkvz.") for n in list(names)
+                 if n.endswith(".in_proj_qkv.weight") and n.replace("_qkv.", "_z.") in names)
+    return names
+
+
+def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, progress=None) -> list[str]:
+    """Writes the quantized copy; -> the checkpoint names of the tensors it quantized.
+    progress: wraps the list of tensor names (a progress bar)."""
+    src, dst = Path(src), Path(dst)
+    if compressed_tensors.read_config(src) is not None:
+        raise CheckpointError(f"{src} is stored quantized already")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+    wanted = quantized_names(src, scheme)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {src}")
+    dst.mkdir(parents=True, exist_ok=True)
+    quantized, kept, weight_map = [], [], {}
+    keys = [(path, key) for path in files for key in _keys(path)]
+    out: dict[str, torch.Tensor] = {}
+    handle = current = None
+    for path, key in (progress(keys) if progress is not None else keys):
+        if path != current:                          # one output file per input file, written in turn
+            _save(out, dst, current, weight_map)
+            current, handle = path, safe_open(str(path), framework="pt")
+        tensor = handle.get_tensor(key)
+        if map_name(key) in wanted:
+            qw = quantize(tensor, scheme.bits, scheme.group_size)
+            base = key.removesuffix(".weight")
+            out[f"{base}.weight_packed"] = compressed_tensors.pack_int32(qw.values, scheme.bits)
+            out[f"{base}.weight_scale"] = qw.scales
+            out[f"{base}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int32)
+            quantized.append(key)
+        else:
+            out[key] = tensor
+            if (key.endswith(".weight") and tensor.dim() == 2 and map_name(key) is not None
+                    and "embed_tokens" not in key and not key.endswith("norm.weight")):
+                kept.append(key.removesuffix(".weight"))
+    _save(out, dst, current, weight_map)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_NAME):
+            shutil.copy2(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors.quantization_config(
+        compressed_tensors.PackQuantized(scheme.bits, scheme.group_size), kept)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if (src / INDEX_NAME).is_file():
+        index = json.loads((src / INDEX_NAME).read_text())
+        index["weight_map"] = weight_map
+        (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return quantized
+
+
+def _save(tensors: dict[str, torch.Tensor], dst: Path, source: Path | None, weight_map: dict) -> None:
+    if source is not None:
+        save_file(tensors, str(dst / source.name), metadata={"format": "pt"})
+        weight_map.update({name: source.name for name in tensors})
+    tensors.clear()
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())

@@ -1,0 +1,173 @@
+"""compressed-tensors pack-quantized checkpoints (hybrid_engine/checkpoint_formats/compressed_tensors.py)
+and `hybrid-engine quantize` (hybrid_engine/quantize_checkpoint.py): a checkpoint written by the
+command loads quantized and runs exactly as online quantization of its source (the same values,
+so the same bits), for all three families with MTP; its packing is compressed-tensors' own; and
+every broken or unsupported checkpoint is one error naming the tensor or field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file, save_file
+
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32, unpack_int32
+from hybrid_engine.cli import main as cli_main
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
+from hybrid_engine.models.config import CheckpointError
+from hybrid_engine.quantization import Quantization
+from hybrid_engine.quantize_checkpoint import write_quantized
+
+from spec_models import make_spec_checkpoint
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory):
+    return make_spec_checkpoint(tmp_path_factory.mktemp(request.param), request.param, embed_scale=1.6)
+
+
+def _engine(model, backend="auto", **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
+                                  max_num_batched_tokens=24, kernel_backend=backend,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kwargs))
+
+
+def _run(engine: LLMEngine) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
+
+
+@pytest.mark.parametrize("method,group", [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, method, group, backend):
+    dst = tmp_path / "q"
+    write_quantized(ckpt, dst, Quantization(method, group))
+    assert (dst / "model.safetensors").stat().st_size < (ckpt / "model.safetensors").stat().st_size
+    stored = _engine(dst, backend)
+    layers = dict(stored.model.named_modules())
+    mlp = "layers.0.mlp.shared_expert.gate_up_proj" if "layers.0.mlp.experts" in layers else "layers.0.mlp.gate_up_proj"
+    for name in ("layers.0.linear_attn.in_proj", mlp, "mtp.layers.0.self_attn.qkv_proj", "lm_head"):
+        assert isinstance(layers[name].method, QuantizedLinearMethod), name
+    assert layers["layers.0.linear_attn.in_proj"].method.float_shards == ("in_proj_b", "in_proj_a")
+    assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
+    online = _engine(ckpt, backend, quantization=method, quantization_group_size=group)
+    assert _run(stored) == _run(online)
+
+
+def test_tied_lm_head_stays_float(tmp_path, monkeypatch):
+    """The default model ties lm_head to its embedding: the written checkpoint keeps that table
+    float, and otherwise runs as online quantization with lm_head left float."""
+    from hybrid_engine import quantization
+    from hybrid_engine.default_model import default_model_path
+    dst = tmp_path / "q"
+    done = write_quantized(default_model_path(), dst, Quantization("int4", 32))
+    assert done and not any("embed_tokens" in name for name in done)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    stored = LLM(model=str(dst), dtype="float32")
+    assert not isinstance(stored.engine.model.lm_head.method, QuantizedLinearMethod)
+    got = stored.generate(["def read_config(path):", "import os\n"], params)
+    monkeypatch.setattr(quantization, "FLOAT_LAYERS", quantization.FLOAT_LAYERS + ("lm_head",))
+    want = LLM(dtype="float32", quantization="int4").generate(["def read_config(path):", "import os\n"], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_packing_is_compressed_tensors_own():
+    # pack_to_int32's documented example: num_bits 8, values [1, 2] -> 33409
+    assert pack_int32(torch.tensor([[1, 2]], dtype=torch.int8), 8).tolist() == [[33409]]
+    # int4: eight values a word, the first in the lowest bits, each + 8
+    word = pack_int32(torch.tensor([[-8, -7, 0, 7, 1, 2, 3, -1]], dtype=torch.int8), 4)
+    assert word.dtype == torch.int32
+    nibbles = [(int(word) >> (4 * i)) & 15 for i in range(8)]
+    assert nibbles == [0, 1, 8, 15, 9, 10, 11, 7]
+
+
+@settings(max_examples=50, deadline=None)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 5), cols=st.integers(1, 40), seed=st.integers(0, 1000))
+def test_pack_and_unpack_int32_round_trip(bits, rows, cols, seed):
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    values = torch.randint(lo, hi + 1, (rows, cols), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    packed = pack_int32(values, bits)
+    assert packed.shape == (rows, -(-cols * bits // 32))
+    assert torch.equal(unpack_int32(packed, bits, cols), values)
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory):
+    src = make_spec_checkpoint(tmp_path_factory.mktemp("src"), "qwen3_5")
+    dst = tmp_path_factory.mktemp("q") / "q"
+    write_quantized(src, dst, Quantization("int4", 32))
+    return dst
+
+
+def _broken_copy(src: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if edit_config:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(str(dst / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+SCALE = "model.layers.0.mlp.down_proj.weight_scale"
+
+
+@pytest.mark.parametrize("config_edit,tensors_edit,message", [
+    (lambda q: q.update(quant_method="gptq"), None, "quant_method 'gptq' is not supported"),
+    (lambda q: q.update(format="int-quantized"), None, "format 'int-quantized' is not supported"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), None, "symmetric is False"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), None, "num_bits 3 is not supported"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48), None, "group_size 48 is not a multiple"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), None, "actorder 'group'"),
+    (None, lambda t: t.pop(SCALE), "missing 1 tensor\\(s\\): layers.0.mlp.down_proj.weight_scale"),
+    (None, lambda t: t.update({SCALE: t[SCALE][:, :1].contiguous()}), "tensor model.layers.0.mlp.down_proj.weight_scale .*wrong shape"),
+    (None, lambda t: t.update({SCALE.replace("scale", "shape"): torch.tensor([3, 3], dtype=torch.int32)}),
+     "weight_shape holds \\[3, 3\\]"),
+    (None, lambda t: t.update({SCALE.replace("scale", "packed"): t[SCALE.replace("scale", "packed")].float()}),
+     "weight_packed is torch.float32, not int32"),
+])
+def test_broken_checkpoints_are_one_clear_error(int4_checkpoint, tmp_path, config_edit, tensors_edit, message):
+    broken = _broken_copy(int4_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
+
+
+def test_quantization_on_a_quantized_checkpoint_is_refused(int4_checkpoint):
+    with pytest.raises(ValueError, match="stored quantized already"):
+        LLMEngine(EngineConfig(model=str(int4_checkpoint), quantization="int8"))
+
+
+def test_quantize_command(tmp_path, capsys):
+    from hybrid_engine.default_model import default_model_path
+    dst = tmp_path / "out"
+    assert cli_main(["quantize", str(default_model_path()), str(dst), "--method", "int8"]) == 0
+    assert "projections as int8 in groups of 32" in capsys.readouterr().out
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"]["num_bits"] == 8
+    assert cli_main(["quantize", str(default_model_path()), str(dst), "--method", "int8"]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert cli_main(["quantize", str(default_model_path()), str(tmp_path / "b"), "--method", "int4",
+                     "--group-size", "48"]) == 2
+    assert "not a multiple of 32" in capsys.readouterr().err
+    assert cli_main(["quantize", str(dst), str(tmp_path / "c"), "--method", "int4"]) == 2
+    assert "stored quantized already" in capsys.readouterr().err
