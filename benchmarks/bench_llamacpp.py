@@ -673,7 +673,7 @@ def main() -> None:
                     help="ours' activation dtype on quantized rows: auto (bfloat16 at both levels) or a list of "
                          f"{', '.join(ACTIVATION_DTYPES)} (one row each)")
     ap.add_argument("--batches", default=f"1,{BATCH}",
-                    help=f"1 alone skips ours' batch-{BATCH} decode (its own child run per row)")
+                    help=f"ours' decode batches, in the row's one child (1 alone skips batch {BATCH})")
     ap.add_argument("--engines", default="ours", help="ours (eager) and/or compiled, beside llama.cpp")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=3)
