@@ -5,7 +5,8 @@ run window, at each CPU instruction-set level.
     python benchmarks/bench_llamacpp.py --threads 2 --levels native,avx2 --dtypes float32,bfloat16
     python benchmarks/bench_llamacpp.py --threads 2 --levels native --dtypes bfloat16,q8_0,q4_0,q4_k_m \
         --activations float32,bfloat16   # quantized: llama.cpp's Q8_0 / Q4_0 / Q4_K_M against our int8 / int4
-    python benchmarks/bench_llamacpp.py --threads 2 --levels native --runs 1 --generate 8   # smoke run: every column fills
+    python benchmarks/bench_llamacpp.py --threads 2 --levels native --runs 1 --generate 8 \
+        --dtypes bfloat16,q8_0,q4_0   # smoke run: every column fills (bfloat16: what /bf16 divides by)
     python benchmarks/bench_llamacpp.py --model default --dtypes float32 --engines ours,compiled   # the embedded model
 
 On the shared development machine pass --work-dir /work/llamacpp-work (built there already) and
