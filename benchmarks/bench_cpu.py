@@ -105,15 +105,36 @@ def engine_prefill(engine, vocab: int, seed: int = 1) -> dict:
     return {"tok_s": PREFILL_LEN / (time.perf_counter() - t0)}
 
 
-def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False, prefix_caching: bool = True):
+def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False, prefix_caching: bool = True,
+                quantization: str | None = None, quantization_group_size: int | None = None):
     """An LLMEngine stepped on the caller's thread (no LLM: its loop thread would be a second
-    thread running torch's parallel ops, which halves small steps; hybrid_engine/engine_loop.py)."""
+    thread running torch's parallel ops, which halves small steps; hybrid_engine/engine_loop.py).
+    quantization: None (float weights), "int8" or "int4": the projections quantized at load, in
+    groups of quantization_group_size (None: the engine's default, 32); dtype is then the
+    activations' (and the float tensors')."""
     from hybrid_engine.config import EngineConfig
     from hybrid_engine.engine import LLMEngine
     return LLMEngine(EngineConfig(model=folder, dtype=dtype, max_num_seqs=max_batch,
                                   max_num_batched_tokens=max(2048, max_batch * DECODE_PROMPT_LEN),
                                   max_model_len=MAX_MODEL_LEN, enable_torch_compile=compile,
-                                  enable_prefix_caching=prefix_caching))
+                                  enable_prefix_caching=prefix_caching, quantization=quantization,
+                                  quantization_group_size=quantization_group_size if quantization else None))
+
+
+def quantized_weight_bytes(model) -> dict:
+    """What a loaded model's quantized projections hold, against the float weights they replace:
+    packed (their int8 / int4 values, float16 scales and any float tail rows, as the kernel
+    reads them) and float (their weights' shapes at the activation dtype). A decode step reads
+    the packed bytes in place of the float ones; the rest of the model is read as before."""
+    packed = float_equivalent = layers = 0
+    for module in model.modules():
+        if getattr(module, "qweight", None) is None:
+            continue
+        tail = getattr(module, "float_tail", None)
+        packed += module.qweight.nbytes + module.qscales.nbytes + (tail.nbytes if tail is not None else 0)
+        float_equivalent += module.weight.numel() * module.weight.element_size()   # a meta tensor: shape and dtype
+        layers += 1
+    return {"packed": packed, "float": float_equivalent, "layers": layers}
 
 
 def hf_generate(model, ids, new_tokens: int, timer: ForwardTimer) -> float:
@@ -163,7 +184,9 @@ def run_child(job: dict) -> dict:
     if job["engine"] in ("ours", "compiled"):
         compiled = job["engine"] == "compiled"
         # the compiled warm-up runs batch 2 (below), which max_num_seqs 1 would run one request at a time
-        engine = make_engine(job["folder"], job["dtype"], max(job["batches"] + [2] * compiled), compiled)
+        engine = make_engine(job["folder"], job["dtype"], max(job["batches"] + [2] * compiled), compiled,
+                             quantization=job.get("quantization"),
+                             quantization_group_size=job.get("quantization_group_size"))
         prefill = lambda: engine_prefill(engine, vocab)
         decode = lambda b, n: engine_decode(engine, b, n, vocab)
     else:
@@ -194,6 +217,8 @@ def run_child(job: dict) -> dict:
     result["load_s"] = load_s
     result["warmup_s"] = warmup_s
     result["rss_after_load_gb"] = rss_loaded
+    if job.get("quantization"):
+        result["quantized_weights"] = quantized_weight_bytes(engine.model)
     result["peak_rss_gb"] = peak_rss_gb()
     return result
 

@@ -93,15 +93,16 @@ def test_the_checkpoint_names_its_architecture_and_the_table_shows_ratios():
             {"level": "avx2", "dtype": "float32", "engine": "ours", "pp512": {"tok_s": 119.0},
              "tg128": {"tok_s": 4.65}}]
     lines = bench.table(rows).splitlines()
-    assert len(lines) == 3 and lines[2].split()[-3:] == ["1.27x", "0.50x", "-"]    # no roofline given
+    # ratios; no batch-16 run, no roofline given
+    assert len(lines) == 3 and lines[2].split()[5:] == ["1.27x", "0.50x", "-", "-", "-", "-"]
     assert lines[1].split()[:5] == ["avx2", "float32", "llama.cpp", "94.0", "9.3"]
     # the decode's share of a roofline of 9.3 tok/s
     lines = bench.table(rows, roofs={"float32": {"tok_s": 9.3}}).splitlines()
-    assert lines[1].split()[-1] == "100%" and lines[2].split()[-1] == "50%"
+    assert lines[1].split()[-2] == "100%" and lines[2].split()[-2] == "50%"
     # a row's own roofline (its probe, taken just before it) comes before the shared one
-    rows[1]["roofline"] = {"tok_s": 6.2}
+    rows[1]["roofline"] = {"tok_s": 6.2, "bytes_per_step": {"total": 1.5e9}}
     lines = bench.table(rows, roofs={"float32": {"tok_s": 9.3}}).splitlines()
-    assert lines[1].split()[-1] == "100%" and lines[2].split()[-1] == "75%"
+    assert lines[1].split()[-2:] == ["100%", "-"] and lines[2].split()[-2:] == ["75%", "1500"]   # MB/tok
 
 
 def test_the_roofline_reads_every_weight_once_at_the_bandwidth():
@@ -140,7 +141,7 @@ def test_the_table_names_the_generation_length_it_was_given():
             {"level": "native", "dtype": "bfloat16", "engine": "ours", "pp512": {"tok_s": 100.0},
              "tg16": {"tok_s": 8.0}}]
     lines = bench.table(rows, generate=16).splitlines()
-    assert "tg16 tok/s" in lines[0] and lines[2].split()[-3:] == ["1.25x", "0.50x", "-"]
+    assert "tg16 tok/s" in lines[0] and lines[2].split()[5:7] == ["1.25x", "0.50x"]
     assert bench.table(rows).splitlines()[2].split()[3:5] == ["100.0", "-"]   # no tg128 in these rows
 
 
@@ -178,3 +179,115 @@ def test_the_default_model_converts_through_the_patched_converter(tmp_path, monk
     bench.convert(tree, folder, "bfloat16", tmp_path, "0.8b")
     assert ran[1][1] == str(tree / "convert_hf_to_gguf.py")
     assert Path(ran[1][ran[1].index("--outfile") + 1]).parent == tmp_path / "gguf"
+
+
+def test_quantized_dtypes_pair_llama_types_with_our_methods():
+    assert bench.check_dtypes(["bfloat16", "q8_0", "q4_0", "q4_k_m"]) == ["bfloat16", "q8_0", "q4_0", "q4_k_m"]
+    with pytest.raises(ValueError, match="unknown dtype.*q5_k"):
+        bench.check_dtypes(["q8_0", "q5_k"])
+    assert {d: (p.llama_type, p.method, p.group_size) for d, p in bench.QUANTIZED.items()} == {
+        "q8_0": ("Q8_0", "int8", 32), "q4_0": ("Q4_0", "int4", 32), "q4_k_m": ("Q4_K_M", "int4", 32)}
+    # float rows run ours in the same dtype; quantized ones at bfloat16 activations unless told
+    assert bench.our_runs("float32", "avx2") == [bench.OurRun("float32")]
+    assert bench.our_runs("q8_0", "native") == [bench.OurRun("bfloat16", "int8", 32)]
+    assert bench.our_runs("q4_k_m", "avx2") == [bench.OurRun("bfloat16", "int4", 32)]
+    assert bench.our_runs("q4_0", "avx2", "float32,bfloat16") == [bench.OurRun("float32", "int4", 32),
+                                                                   bench.OurRun("bfloat16", "int4", 32)]
+    assert bench.our_runs("bfloat16", "native", "float32") == [bench.OurRun("bfloat16")]   # float rows: their own
+    with pytest.raises(ValueError, match="unknown activation dtype.*float16"):
+        bench.our_runs("q4_0", "native", "float16")
+    assert bench.describe(bench.OurRun("float32", "int8", 32)) == "int8 group 32, float32 activations"
+
+
+def test_quantized_ggufs_are_named_by_type_and_made_once_from_the_bf16_file(tmp_path, monkeypatch):
+    assert bench.gguf_path(tmp_path, "0.8b", "bfloat16") == tmp_path / "gguf" / "random-0.8b-bf16.gguf"
+    assert bench.gguf_path(tmp_path, "0.8b", "q4_k_m") == tmp_path / "gguf" / "random-0.8b-q4_k_m.gguf"
+    assert bench.gguf_path(tmp_path, "default", "q8_0") == tmp_path / "gguf" / "default-q8_0.gguf"
+    assert bench.quantize_command(Path("/b/llama-quantize"), Path("in.gguf"), Path("out.gguf"), "q4_k_m", 2) == [
+        "/b/llama-quantize", "in.gguf", "out.gguf", "Q4_K_M", "2"]
+    with pytest.raises(SystemExit, match="no llama-quantize"):
+        bench.quantize_binary(tmp_path, ["native", "avx2"])
+    quantizer = bench.tool_path(tmp_path, "avx2", "llama-quantize")
+    quantizer.parent.mkdir(parents=True)
+    quantizer.write_bytes(b"")
+    assert bench.quantize_binary(tmp_path, ["native", "avx2"]) == quantizer
+    ran = []
+
+    def fake_run(command, check, **kwargs):
+        ran.append(command)
+        out = command[command.index("--outfile") + 1] if "--outfile" in command else command[2]
+        Path(out).write_bytes(b"GGUF")
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    tree, folder = tmp_path / "tree", tmp_path / "ckpt"
+    ggufs = bench.make_ggufs(tree, folder, ["q8_0", "q4_0"], tmp_path, "0.8b", ["native", "avx2"], 2)
+    assert ggufs == {"q8_0": tmp_path / "gguf" / "random-0.8b-q8_0.gguf",
+                     "q4_0": tmp_path / "gguf" / "random-0.8b-q4_0.gguf"}
+    convert, q8, q4 = ran                                   # the bf16 file once, then each type from it
+    assert convert[convert.index("--outtype") + 1] == "bf16"
+    bf16 = str(tmp_path / "gguf" / "random-0.8b-bf16.gguf")
+    assert q8[:2] == [str(quantizer), bf16] and q8[3] == "Q8_0" and q4[1] == bf16 and q4[3] == "Q4_0"
+    assert not list((tmp_path / "gguf").glob("*.partial"))
+    assert bench.make_ggufs(tree, folder, ["q8_0", "q4_0"], tmp_path, "0.8b", ["native"], 2) == ggufs
+    assert len(ran) == 3
+
+
+def test_each_level_builds_the_three_tools_without_amx():
+    assert bench.LLAMA_TOOLS == ("llama-bench", "llama-quantize", "llama-perplexity")
+    native = bench.cmake_flags("native")
+    for flags in ("-DCMAKE_C_FLAGS=", "-DCMAKE_CXX_FLAGS="):
+        (flag,) = [f for f in native if f.startswith(flags)]
+        assert flag.split("=", 1)[1].split() == ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+    assert "-DGGML_AMX_INT8=OFF" in bench.cmake_flags("avx2")
+
+
+def test_missing_tools_are_those_not_built(tmp_path):
+    assert bench.missing_tools(tmp_path, "native") == list(bench.LLAMA_TOOLS)
+    for tool in ("llama-bench", "llama-perplexity"):
+        bench.tool_path(tmp_path, "native", tool).parent.mkdir(parents=True, exist_ok=True)
+        bench.tool_path(tmp_path, "native", tool).write_bytes(b"")
+    assert bench.missing_tools(tmp_path, "native") == ["llama-quantize"]
+    assert bench.llama_bench_path(tmp_path, "native") == tmp_path / "build-native" / "bin" / "llama-bench"
+
+
+def test_a_gguf_decode_step_reads_every_block_but_the_mtp_and_a_separate_input_embedding():
+    tied = ["token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_up.weight", "blk.2.nextn.eh_proj.weight",
+            "blk.2.attn_q.weight", "output_norm.weight"]
+    assert bench.decode_tensor_names(tied, num_layers=2) == [
+        "token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_up.weight", "output_norm.weight"]
+    untied = tied + ["output.weight"]
+    assert bench.decode_tensor_names(untied, num_layers=3) == [n for n in untied if n != "token_embd.weight"]
+
+
+def test_a_quantized_roofline_reads_the_packed_weights():
+    config = bench.QWEN35_08B_CONFIG
+    float_step = bench.roofline("bfloat16", 128, 20.0)["bytes_per_step"]
+    # every projection int8 group 32 (1 + 2/32 bytes a weight), say, out of the float weights
+    quantized = {"float": float_step["weights"] - 10_000_000, "packed": (float_step["weights"] - 10_000_000) * 17 // 32}
+    weights = bench.quantized_weights_read(config, "bfloat16", quantized)
+    assert weights == 10_000_000 + quantized["packed"]
+    roof = bench.roofline("bfloat16", 128, 20.0, config, weights=weights)
+    step = roof["bytes_per_step"]
+    assert step["weights"] == weights and (step["state"], step["kv"]) == (float_step["state"], float_step["kv"])
+    assert step["total"] == weights + step["state"] + step["kv"] and roof["tok_s"] == 20.0e9 / step["total"]
+
+
+def test_quantized_rows_name_their_activations_and_batch16_is_set_beside_bf16():
+    rows = [
+        {"level": "native", "dtype": "bfloat16", "engine": "llama.cpp", "pp512": {"tok_s": 80.0}, "tg8": {"tok_s": 9.0}},
+        {"level": "native", "dtype": "bfloat16", "engine": "ours", "pp512": {"tok_s": 120.0}, "tg8": {"tok_s": 15.0},
+         "b16": {"tok_s": 100.0}, "activations": "bfloat16"},
+        {"level": "native", "dtype": "q8_0", "engine": "llama.cpp", "pp512": {"tok_s": 90.0}, "tg8": {"tok_s": 12.0},
+         "roofline": {"tok_s": 24.0, "bytes_per_step": {"total": 850e6}}},
+        {"level": "native", "dtype": "q8_0", "engine": "ours", "pp512": {"tok_s": 135.0}, "tg8": {"tok_s": 18.0},
+         "b16": {"tok_s": 110.0}, "activations": "bfloat16", "quantization": "int8",
+         "roofline": {"tok_s": 30.0, "bytes_per_step": {"total": 820e6}}},
+        {"level": "native", "dtype": "q8_0", "engine": "ours", "pp512": {"tok_s": 100.0}, "tg8": {"tok_s": 16.0},
+         "activations": "float32", "quantization": "int8"},
+    ]
+    lines = bench.table(rows, generate=8).splitlines()
+    assert "b16 tok/s" in lines[0] and "MB/tok" in lines[0]
+    assert lines[2].split()[2:] == ["ours", "120.0", "15.0", "1.50x", "1.67x", "100.0", "-", "-", "-"]
+    assert lines[3].split()[2:] == ["llama.cpp", "90.0", "12.0", "-", "-", "50%", "850"]
+    assert lines[4].split()[2:] == ["ours/bf16", "135.0", "18.0", "1.50x", "1.50x", "110.0", "1.10x", "60%", "820"]
+    assert lines[5].split()[2:8] == ["ours/f32", "100.0", "16.0", "1.11x", "1.33x", "-"]   # no b16 run
+    assert bench.batch_ratio(rows[3], rows[3:]) is None     # no bf16 row to divide by
