@@ -112,7 +112,7 @@ class CheckpointLayers(QuantizedLayers):
 
     def __call__(self, name: str, layer) -> LinearMethod:
         projections = [base for base, _ in shard_names(layer, name)]
-        quantized = [base for base in projections if f"{base}.weight_packed" in self.names]
+        quantized = [base for base in projections if f"{base}.{self.checkpoint.marker}" in self.names]
         if not quantized:
             return self.float_method
         float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
@@ -130,11 +130,11 @@ def quantized_layers(config, float_method: LinearMethod, kernels) -> QuantizedLa
     """The per-layer methods of an engine whose config asks for quantization (EngineConfig) or
     whose checkpoint is stored quantized; the native kernel's where its backend is the cpu one
     and the kernels build. None: float weights."""
-    from .checkpoint_formats import compressed_tensors
+    from .checkpoint_formats import stored_quantization
     from .kernels.backends import native_cpu_available
     from .models.loader import checkpoint_names
     scheme = parse_quantization(config.quantization, config.quantization_group_size)
-    stored = compressed_tensors.read_config(config.model)
+    stored = stored_quantization(config.model)
     native = kernels.name == "cpu" and native_cpu_available()
     if stored is not None:
         if scheme is not None:

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint_formats import compressed_tensors
+from .checkpoint_formats import compressed_tensors, stored_quantization
 from .kernels.linear import LinearMethod
 from .kernels.linear.quantized import QuantizedLinearMethod, quantize
 from .kernels.linear.reference import shard_names
@@ -57,7 +57,7 @@ def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, prog
     """Writes the quantized copy; -> the checkpoint names of the tensors it quantized.
     progress: wraps the list of tensor names (a progress bar)."""
     src, dst = Path(src), Path(dst)
-    if compressed_tensors.read_config(src) is not None:
+    if stored_quantization(src) is not None:
         raise CheckpointError(f"{src} is stored quantized already")
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")

@@ -40,7 +40,8 @@ _MAX_LISTED = 5
 _FLOAT_DTYPES = ("F", "BF")
 # Tensors of quantized checkpoint formats (hybrid_engine/checkpoint_formats/) are read as stored:
 # integer codes, and scales at the precision their format chose (not cast to the load dtype).
-STORED_AS_IS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+STORED_AS_IS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
+                "weight_scale_inv")
 
 
 def stored_as_is(name: str) -> bool:
@@ -321,6 +322,11 @@ def load_weights(
         if name is not None and not stored_as_is(name) and not src.dtype.startswith(_FLOAT_DTYPES):
             raise CheckpointError(f"tensor {src.key} in {src.file.name} is stored as {src.dtype}; "
                                   "weights must be floating point (F32, BF16, F16, ...)")
+        # An FP8 weight means W / scale: without its block scales it would load as a wrong model.
+        if (name is not None and src.dtype.startswith("F8")
+                and f"{src.key.rpartition('.')[0]}.weight_scale_inv" not in raw):
+            raise CheckpointError(f"tensor {src.key} in {src.file.name} is float8 without its weight_scale_inv "
+                                  "beside it: FP8 weights need their block scales")
     for name, want in wanted.items():
         kind, arg = provided[name]
         if kind == "direct":

@@ -18,11 +18,8 @@ is refused with the field that says so. Zero points (asymmetric) and activation 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
@@ -38,6 +35,7 @@ class PackQuantized:
     """One config group's weights: the QuantizedCheckpoint of kernels/linear/quantized.py."""
     bits: int
     group_size: int
+    marker: str = "weight_packed"          # the tensor beside a projection that says it is quantized
 
     def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
         return {"weight_packed": (rows, math.ceil(in_features * self.bits / 32)),
@@ -77,25 +75,9 @@ def unpack_int32(packed: torch.Tensor, bits: int, in_features: int) -> torch.Ten
     return (fields.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (bits - 1))).to(torch.int8)
 
 
-def read_config(folder: str | Path) -> PackQuantized | None:
-    """The checkpoint's pack-quantized scheme, None for a checkpoint without quantization_config;
-    CheckpointError naming the field for one this engine does not read."""
-    path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None                  # models/config.py reports an unreadable config.json
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if quant is None:
-        return None
-    where = f"{path}: quantization_config"
-    if not isinstance(quant, dict):
-        raise CheckpointError(f"{where} is not an object")
-    method = quant.get("quant_method")
-    if method != QUANT_METHOD:
-        raise CheckpointError(f"{where}.quant_method {method!r} is not supported; this engine reads "
-                              f"{QUANT_METHOD!r} ({FORMAT}) checkpoints, or quantizes float ones itself "
-                              "(quantization='int8' | 'int4')")
+def read_config(quant: dict, where: str) -> PackQuantized:
+    """quantization_config (quant_method compressed-tensors) -> its scheme; CheckpointError naming
+    the field for one this engine does not read."""
     if quant.get("format") != FORMAT:
         raise CheckpointError(f"{where}.format {quant.get('format')!r} is not supported (only {FORMAT!r})")
     groups = quant.get("config_groups")

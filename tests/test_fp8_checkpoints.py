@@ -1,0 +1,178 @@
+"""Qwen's FP8 checkpoints (hybrid_engine/checkpoint_formats/fp8.py): block-scaled float8_e4m3
+projections (`weight_scale_inv` multiplied, edges cut) load requantized to int8, exactly as a
+float checkpoint of the dequantized weights does when the same projections are quantized online
+(the ground truth: the plain path on the dequantized weights, quantized by the same rule); for
+all three families, scales in bf16 / fp16 / fp32, 128 x 128 blocks (all edges here) and 32 x 32
+ones, `model.language_model.` names; broken ones are one error naming the tensor or field."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.checkpoint_formats import fp8
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
+from hybrid_engine.kernels.linear.reference import shard_names
+from hybrid_engine.models.config import CheckpointError
+from hybrid_engine.quantization import Quantization, QuantizedLayers
+
+from spec_models import make_spec_checkpoint
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
+# What Qwen's FP8 releases store in FP8 (PEERS.md): the projections, not lm_head, mtp.fc, GDN's
+# b / a, the router or (here) the experts; Qwen3-Next's grouped in_proj_qkvz stays 16-bit in
+# these tests (its FP8 form is not read yet).
+FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+               "up_proj", "down_proj")
+
+
+def _is_fp8(name: str) -> bool:
+    module = name.removesuffix(".weight").rpartition(".")[2]
+    return name.endswith(".weight") and module in FP8_MODULES and ".experts." not in name
+
+
+def to_fp8(w: torch.Tensor, block: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (float8_e4m3 values, weight_scale_inv [ceil(out/b), ceil(in/b)]): per block scale
+    max|w| / 448, as Qwen's FP8 releases hold them."""
+    rows, cols = w.shape
+    br, bc = math.ceil(rows / block), math.ceil(cols / block)
+    padded = torch.nn.functional.pad(w.float(), (0, bc * block - cols, 0, br * block - rows))
+    amax = padded.reshape(br, block, bc, block).abs().amax(dim=(1, 3))
+    scale = (amax / 448).to(scale_dtype)
+    expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return (w.float() / expanded).to(torch.float8_e4m3fn), scale
+
+
+def write_fp8_pair(src: Path, fp8_dir: Path, float_dir: Path, block: int, scale_dtype: torch.dtype,
+                   language_model_prefix: bool = False) -> set[str]:
+    """An FP8 copy of `src` and a float copy of its dequantized values; -> the FP8 projections'
+    internal names (without `.weight`)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    as_fp8, dequantized, names = {}, {}, set()
+    for name, t in tensors.items():
+        stored = name.replace("model.", "model.language_model.", 1) if language_model_prefix else name
+        if _is_fp8(name):
+            values, scale = to_fp8(t, block, scale_dtype)
+            base = stored.removesuffix(".weight")
+            as_fp8[f"{base}.weight"], as_fp8[f"{base}.weight_scale_inv"] = values, scale
+            rows, cols = t.shape
+            expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+            dequantized[name] = values.float() * expanded
+            names.add(name.removeprefix("model.").removesuffix(".weight"))
+        else:
+            as_fp8[stored] = dequantized[name] = t
+    for folder, out in ((fp8_dir, as_fp8), (float_dir, dequantized)):
+        folder.mkdir()
+        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((src / "config.json").read_text())
+        if folder == fp8_dir:
+            config["quantization_config"] = fp8.quantization_config((block, block), ["lm_head", "mtp.fc"])
+        (folder / "config.json").write_text(json.dumps(config))
+    return names
+
+
+class SameProjectionsOnline(QuantizedLayers):
+    """Online int8 of exactly the projections the FP8 checkpoint holds in FP8."""
+
+    def __init__(self, fp8_names: set[str], float_method, native: bool):
+        super().__init__(Quantization("int8", 32), float_method, native)
+        self.fp8_names = fp8_names
+
+    def __call__(self, name, layer):
+        bases = [base for base, _ in shard_names(layer, name)]
+        if not any(base in self.fp8_names for base in bases):
+            return self.float_method
+        return QuantizedLinearMethod(8, 32, native=self.native, float_shards=tuple(
+            base.rpartition(".")[2] for base in bases if base not in self.fp8_names))
+
+
+def _engine(model: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
+                                  max_num_batched_tokens=24,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+
+
+def _run(engine: LLMEngine) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory):
+    return make_spec_checkpoint(tmp_path_factory.mktemp(request.param), request.param, embed_scale=1.6)
+
+
+@pytest.mark.parametrize("block,scale_dtype", [(128, torch.bfloat16), (32, torch.float16), (32, torch.float32)])
+def test_fp8_checkpoint_runs_as_its_dequantized_weights_quantized(ckpt, tmp_path, monkeypatch, block, scale_dtype):
+    names = write_fp8_pair(ckpt, tmp_path / "fp8", tmp_path / "float", block, scale_dtype,
+                           language_model_prefix=block == 128)
+    stored = _engine(tmp_path / "fp8")
+    layers = dict(stored.model.named_modules())
+    assert isinstance(layers["layers.0.linear_attn.in_proj"].method, QuantizedLinearMethod) != ("qwen3_next" in str(ckpt))
+    assert isinstance(layers["mtp.layers.0.self_attn.qkv_proj"].method, QuantizedLinearMethod)
+    assert not isinstance(layers["lm_head"].method, QuantizedLinearMethod)
+    got = _run(stored)
+    from hybrid_engine import engine as engine_module
+    native = layers["mtp.layers.0.self_attn.qkv_proj"].method.native
+    monkeypatch.setattr(engine_module, "quantized_layers",
+                        lambda config, float_method, kernels: SameProjectionsOnline(names, float_method, native))
+    assert got == _run(_engine(tmp_path / "float"))
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    src = make_spec_checkpoint(tmp_path_factory.mktemp("src"), "qwen3_5")
+    root = tmp_path_factory.mktemp("fp8")
+    write_fp8_pair(src, root / "fp8", root / "float", 32, torch.bfloat16)
+    return root / "fp8"
+
+
+def _broken(src: Path, dst: Path, config_edit=None, tensors_edit=None) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if config_edit:
+        config = json.loads((dst / "config.json").read_text())
+        config_edit(config["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    if tensors_edit:
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors_edit(tensors)
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("config_edit,tensors_edit,message", [
+    (lambda q: q.update(fmt="e5m2"), None, "fmt 'e5m2' is not supported"),
+    (lambda q: q.update(weight_block_size=None), None, "weight_block_size must be"),
+    (lambda q: q.update(activation_scheme="static"), None, "activation_scheme 'static'"),
+    (None, lambda t: t.pop(SCALE), None),
+    (None, lambda t: t.update({SCALE: t[SCALE][:1].contiguous()}), "weight_scale_inv .*wrong shape"),
+    (None, lambda t: t.update({SCALE: torch.full_like(t[SCALE], float("inf"))}), "NaN or Inf"),
+])
+def test_broken_fp8_checkpoints_are_one_clear_error(fp8_checkpoint, tmp_path, config_edit, tensors_edit, message):
+    broken = _broken(fp8_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    if message is None:
+        # without its scale the FP8 weight is no longer marked FP8: it would load as raw e4m3
+        # values (W / scale), a silently wrong model. The loader refuses float8 weights that
+        # no scale accompanies.
+        message = "layers.0.mlp.down_proj.weight .*float8 without its weight_scale_inv"
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
