@@ -6,9 +6,10 @@ out_proj, attention's q/k/v/o, the MLPs, the MTP layer's attention and MLP, and 
 tied embedding then reads its rows from the quantized table). Kept float, as every quantized
 format and peer keeps them: GDN's in_proj_b / in_proj_a (they feed the decay and the beta
 sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_expert_gate
-(plain nn.Linear), the conv taps, A_log, dt_bias and the norms. Not yet quantized: MoE experts
-(stacked [E, ...] tensors, no projection layer). A projection whose input width the group size
-does not divide stays float too, and the engine's log says which.
+(plain nn.Linear), the conv taps, A_log, dt_bias and the norms. MoE experts are quantized each
+on its own (models/mlp.py Experts: one projection layer per expert and projection after
+loading). A projection whose input width the group size does not divide stays float too, and
+the engine's log says which.
 
 The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
 where the cpu backend's kernels build (activations rounded to int8 in blocks of 32, as
@@ -75,7 +76,9 @@ class QuantizedLayers:
         self.int8_activations = self.native if int8_activations is None else int8_activations
         self.kept_float: list[str] = []
 
-    def __call__(self, name: str, layer) -> LinearMethod:
+    def __call__(self, name: str, layer) -> LinearMethod | None:
+        if not hasattr(layer, "shards"):                 # a MoE layer's stacked experts
+            return self._experts(name, layer)
         if name in FLOAT_LAYERS:
             return self.float_method
         if layer.in_features % self.scheme.group_size:
@@ -85,6 +88,14 @@ class QuantizedLayers:
         float_shards = tuple(s for s in GDN_FLOAT_SHARDS if s in shards)
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
                                      float_shards=float_shards, int8_activations=self.int8_activations)
+
+    def _experts(self, name: str, experts) -> LinearMethod | None:
+        """Each expert's gate_up and down projections quantized like the others (None: float)."""
+        if experts.hidden % self.scheme.group_size or experts.intermediate % self.scheme.group_size:
+            self.kept_float.append(name)
+            return None
+        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
+                                     int8_activations=self.int8_activations)
 
     def progress_bar(self, layers):
         """The layers as they are processed (quantized), with a progress bar on a terminal."""
@@ -110,7 +121,9 @@ class CheckpointLayers(QuantizedLayers):
         super().__init__(scheme, float_method, native)
         self.checkpoint, self.names = checkpoint, names
 
-    def __call__(self, name: str, layer) -> LinearMethod:
+    def __call__(self, name: str, layer) -> LinearMethod | None:
+        if not hasattr(layer, "shards"):
+            return None                                  # experts: as stored (float), not read quantized yet
         projections = [base for base, _ in shard_names(layer, name)]
         quantized = [base for base in projections if f"{base}.{self.checkpoint.marker}" in self.names]
         if not quantized:

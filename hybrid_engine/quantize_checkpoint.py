@@ -3,9 +3,10 @@ pack-quantized one (hybrid_engine/checkpoint_formats/compressed_tensors.py), whi
 (and in vLLM) without quantizing at every start.
 
 The projections quantized are the ones online quantization quantizes (hybrid_engine/
-quantization.py: the same rule, the same values), with one exception: a tied lm_head stays
+quantization.py: the same rule, the same values), with two exceptions: a tied lm_head stays
 float with its embedding table, as in community int4 checkpoints (its own quantized copy would
-be a second table on disk). Every other tensor is copied as stored; each output file holds what
+be a second table on disk), and MoE experts stay float (quantized experts are not read from
+checkpoints yet; online quantization quantizes them). Every other tensor is copied as stored; each output file holds what
 its input file held, and the index (if any) follows. The `ignore` list names every projection
 left float (GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router, gates and experts).
 """

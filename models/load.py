@@ -13,6 +13,7 @@ from hybrid_engine.kernels.linear import LinearMethod
 
 from .config import ConfigError, ModelConfig, load_config
 from .linear import Linear
+from .mlp import Experts
 from .loader import load_weights, resolve_dtype
 from .qwen3_5 import HybridForCausalLM
 
@@ -51,7 +52,8 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     without it they are dropped after the check, so no MTP weights stay resident and the model
     has no MTP layer (nor, then, its KV pool). method: the projections' linear method (the
     engine's kernel backend's; None: plain weights); methods: name, layer -> the method of each
-    projection layer instead, where the choice is per layer (hybrid_engine/quantization.py).
+    projection layer instead, where the choice is per layer (hybrid_engine/quantization.py), and
+    of each MoE layer's experts (None: the stacked float weights).
     The loader hands each tensor to what takes it, then every layer processes its weights once
     (`process_weights_after_loading`; progress: wraps the iterable of layers, a progress bar)."""
     cfg = load_config(folder)
@@ -67,6 +69,8 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
             for name, module in model.named_modules():
                 if isinstance(module, Linear):
                     module.use_method(methods(name, module), torch_dtype)
+                elif isinstance(module, Experts) and (expert_method := methods(name, module)) is not None:
+                    module.use_method(expert_method)
     tensors = _checkpoint_tensors(model)
     weights = load_weights(folder, cfg, {name: shape for name, (shape, _) in tensors.items()}, torch_dtype)
     if not with_mtp or not any(name.startswith("mtp.") for name in weights):

@@ -26,12 +26,31 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I],
+    as the loader fills them. With a linear method (`use_method`, before loading: a quantization
+    config's) each expert's two projections become projection layers of that method after
+    loading and the stacked tensors are freed; without one they run as F.linear on the stack."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
+        self.hidden, self.intermediate = hidden, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.method: LinearMethod | None = None
+        self.gate_up_layers = self.down_layers = None
+
+    def use_method(self, method: LinearMethod) -> None:
+        self.method = method
+
+    def process_weights_after_loading(self) -> None:
+        if self.method is None or self.gate_up_proj.is_meta:
+            return
+        self.gate_up_layers = nn.ModuleList(_layer(w, self.method) for w in self.gate_up_proj)
+        self.down_layers = nn.ModuleList(_layer(w, self.method) for w in self.down_proj)
+        for name in ("gate_up_proj", "down_proj"):
+            stacked = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(stacked.shape, dtype=stacked.dtype, device="meta"),
+                                             requires_grad=False))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, top_k]. Loops over the experts that were hit."""
@@ -46,11 +65,24 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_sorted[start:start + n, None]
-            out.index_add_(0, rows, y)
+            if self.gate_up_layers is None:
+                gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            else:
+                gate, up = self.gate_up_layers[e](x[rows]).chunk(2, dim=-1)
+                y = self.down_layers[e](F.silu(gate) * up)
+            out.index_add_(0, rows, y * w_sorted[start:start + n, None])
             start += n
         return out
+
+
+def _layer(weight: torch.Tensor, method: LinearMethod) -> Linear:
+    """One expert's projection as a projection layer of `method`, loaded with `weight`."""
+    with torch.device("meta"):
+        layer = Linear(weight.shape[1], weight.shape[0], method=method)
+    layer.weight_loader("expert.weight", weight)
+    layer.process_weights_after_loading()
+    return layer
 
 
 class SparseMoE(nn.Module):

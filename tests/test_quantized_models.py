@@ -24,7 +24,7 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 SHARED = [(7 * i + 3) % 200 + 1 for i in range(12)]
 PROMPTS = [SHARED + [5, 6], SHARED + [9, 1, 4], [(5 * i) % 190 + 2 for i in range(37)], [11, 12]]
 # the checkpoint tensors online quantization quantizes (hybrid_engine/quantization.py): every
-# projection but GDN's b / a (in_proj_ba), mtp.fc, the router and the experts
+# projection (the experts' too) but GDN's b / a (in_proj_ba), mtp.fc and the router
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj",
              "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -33,7 +33,7 @@ needs_native = pytest.mark.skipif(not native_cpu_available(), reason="no native 
 
 def _quantized_by_online_quantization(name: str) -> bool:
     module = name.removesuffix(".weight").rpartition(".")[2]
-    return name.endswith(".weight") and module in QUANTIZED and ".experts." not in name
+    return name.endswith(".weight") and module in QUANTIZED          # experts too, each on its own
 
 
 def dequantized_checkpoint(src: Path, dst: Path, bits: int, group: int) -> Path:
@@ -100,6 +100,9 @@ def test_quantized_model_runs_its_dequantized_weights(ckpt, tmp_path, method, bi
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
     assert isinstance(layers["lm_head"].method, QuantizedLinearMethod)
     assert isinstance(layers["mtp.layers.0.self_attn.qkv_proj"].method, QuantizedLinearMethod)
+    if "layers.0.mlp.experts" in layers:
+        experts = layers["layers.0.mlp.experts"]
+        assert experts.gate_up_proj.is_meta and isinstance(experts.down_layers[0].method, QuantizedLinearMethod)
     _assert_same(_run(float_run, max_tokens=32), _run(quantized, max_tokens=32), atol=1e-4)
 
 
