@@ -116,9 +116,10 @@ class CheckpointLayers(QuantizedLayers):
     as the checkpoint's own choice rules (a quantized MTP head loads quantized, a 16-bit one
     stays 16-bit)."""
 
-    def __init__(self, checkpoint, names: set[str], float_method: LinearMethod, native: bool):
+    def __init__(self, checkpoint, names: set[str], float_method: LinearMethod, native: bool,
+                 int8_activations: bool | None = None):
         scheme = Quantization("int8" if checkpoint.bits == 8 else "int4", checkpoint.group_size)
-        super().__init__(scheme, float_method, native)
+        super().__init__(scheme, float_method, native, int8_activations)
         self.checkpoint, self.names = checkpoint, names
 
     def __call__(self, name: str, layer) -> LinearMethod | None:
@@ -130,7 +131,8 @@ class CheckpointLayers(QuantizedLayers):
             return self.float_method
         float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
-                                     float_shards=float_shards, checkpoint=self.checkpoint)
+                                     float_shards=float_shards, int8_activations=self.int8_activations,
+                                     checkpoint=self.checkpoint)
 
     def progress_bar(self, layers):
         return layers                                  # nothing to quantize: the layers only repack

@@ -41,7 +41,7 @@ _FLOAT_DTYPES = ("F", "BF")
 # Tensors of quantized checkpoint formats (hybrid_engine/checkpoint_formats/) are read as stored:
 # integer codes, and scales at the precision their format chose (not cast to the load dtype).
 STORED_AS_IS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
-                "weight_scale_inv")
+                "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx")
 
 
 def stored_as_is(name: str) -> bool:

@@ -5,6 +5,7 @@ tensor beside a projection marks it quantized (`marker`).
     compressed_tensors.py   llm-compressor's pack-quantized W4A16 / W8A16 (and what
                             `hybrid-engine quantize` writes)
     fp8.py                  Qwen's block-scaled FP8 releases, requantized to int8 at load
+    gptq.py                 AutoGPTQ / GPTQModel int4 / int8 (symmetric; act-order too)
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 
 from hybrid_engine.models.config import CheckpointError
 
-from . import compressed_tensors, fp8
+from . import compressed_tensors, fp8, gptq
 
-READERS = {compressed_tensors.QUANT_METHOD: compressed_tensors.read_config, fp8.QUANT_METHOD: fp8.read_config}
+READERS = {compressed_tensors.QUANT_METHOD: compressed_tensors.read_config, fp8.QUANT_METHOD: fp8.read_config,
+           gptq.QUANT_METHOD: gptq.read_config}
 
 
 def stored_quantization(folder: str | Path):

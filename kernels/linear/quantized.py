@@ -41,11 +41,14 @@ _QMIN = {8: -127, 4: -8}
 
 class QuantizedWeight(NamedTuple):
     """A quantized [N, K] weight as formats hand it over: values int8 [N, K] (in [-127, 127] or
-    [-8, 7]), scales float16 [N, K / group_size]."""
+    [-8, 7]), scales float16 [N, K / group_size]. input_order: where the format's groups are not
+    contiguous columns (GPTQ's act-order), the columns' order in `values` (x is gathered into it
+    before each product); None: as stored."""
     values: torch.Tensor
     scales: torch.Tensor
     bits: int
     group_size: int
+    input_order: torch.Tensor | None = None
 
 
 def check_scheme(bits: int, group_size: int, in_features: int | None = None) -> None:
@@ -258,8 +261,13 @@ class QuantizedLinearMethod(LinearMethod):
                 tail.append(tensors["weight"])
             else:
                 quantized.append(self.checkpoint.read(name, tensors, rows, layer.in_features))
+        orders = [q.input_order for q in quantized]
+        if any(o is None for o in orders) != all(o is None for o in orders) or any(
+                o is not None and not torch.equal(o, orders[0]) for o in orders):
+            raise ValueError(f"the merged projections {list(by_shard)} read their input in different orders "
+                             "(act-order groups differ between them): not supported")
         qw = QuantizedWeight(torch.cat([q.values for q in quantized]), torch.cat([q.scales for q in quantized]),
-                             self.bits, self.group_size)
+                             self.bits, self.group_size, orders[0])
         self.load_quantized(layer, qw, torch.cat(tail) if tail else None, layer.weight.dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -282,11 +290,14 @@ class QuantizedLinearMethod(LinearMethod):
                              f"int{self.bits} in groups of {self.group_size}")
         layer.quantized_rows = qw.values.shape[0]
         layer.qweight, layer.qscales = pack(qw)
+        layer.input_order = qw.input_order
         layer.float_tail = None if float_tail is None else float_tail.detach().to(dtype).clone()
         layer.weight_dtype = dtype
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
 
     def _quantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.input_order is not None:
+            x = x.index_select(-1, layer.input_order)
         if self.native and x.device.type == "cpu":
             y = quant_linear(x, layer.qweight, layer.qscales, self.bits, self.group_size)
         else:
@@ -306,7 +317,10 @@ class QuantizedLinearMethod(LinearMethod):
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.float_tail is not None:
             raise NotImplementedError("rows of a layer with float shards")
-        return unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids).to(layer.weight_dtype)
+        rows = unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids)
+        if layer.input_order is not None:
+            rows = torch.empty_like(rows).index_copy_(-1, layer.input_order, rows)
+        return rows.to(layer.weight_dtype)
 
     def holds_weight_elsewhere(self, layer: nn.Module) -> bool:
         return True

@@ -1,0 +1,101 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel, `quant_method: gptq`): a quantized projection `X` is
+    X.qweight  int32 [in * bits / 32, out]: values packed along the input dimension, the first
+               in the lowest bits
+    X.qzeros   int32 [in / group, out * bits / 32]: zero points packed along the output one
+    X.scales   float16 [in / group, out]
+    X.g_idx    int32 [in]: each input column's group
+with W[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]; checkpoint_format "gptq" (v1)
+stores each zero point less one, "gptq_v2" as it is.
+
+Read here: bits 4 and 8, symmetric (`sym: true`: every zero point 2^(bits-1), so W = (q - 8) *
+scale for int4, the kernels' own form), groups a multiple of 32. With `desc_act` (activation
+order) a group's columns are scattered over the input: the columns are reordered at load so that
+each group is contiguous, and the layer gathers x into the same order before each product (an
+index_select of x's few rows, exact). Asymmetric zero points are refused, not read yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
+from hybrid_engine.models.config import CheckpointError
+
+QUANT_METHOD = "gptq"
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words -> their unsigned fields (int64), 32 / bits per word along `dim`, the first in
+    the lowest bits."""
+    per_int, mask = 32 // bits, (1 << bits) - 1
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    fields = torch.stack([(words >> (bits * i)) & mask for i in range(per_int)], dim=dim + 1)
+    shape = list(packed.shape)
+    shape[dim] *= per_int
+    return fields.reshape(shape)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned fields -> int32 words along `dim` (the inverse of unpack_int32; tests write
+    checkpoints with it)."""
+    per_int = 32 // bits
+    moved = values.to(torch.int64).movedim(dim, -1)
+    grouped = moved.reshape(*moved.shape[:-1], -1, per_int)
+    words = sum(grouped[..., i] << (bits * i) for i in range(per_int))
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).movedim(-1, dim).contiguous()
+
+
+@dataclass(frozen=True)
+class Gptq:
+    """The QuantizedCheckpoint of kernels/linear/quantized.py for symmetric GPTQ."""
+    bits: int
+    group_size: int
+    zero_offset: int                         # v1 stores each zero point less one
+    marker: str = "qweight"
+
+    def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
+        groups = in_features // self.group_size
+        return {"qweight": (in_features * self.bits // 32, rows), "qzeros": (groups, rows * self.bits // 32),
+                "scales": (groups, rows), "g_idx": (in_features,)}
+
+    def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
+        for suffix in ("qweight", "qzeros"):
+            if tensors[suffix].dtype != torch.int32:
+                raise CheckpointError(f"tensor {name}.{suffix} is {tensors[suffix].dtype}, not int32")
+        middle = 1 << (self.bits - 1)
+        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1) + self.zero_offset
+        if not bool((zeros == middle).all()):
+            raise CheckpointError(f"tensor {name}.qzeros holds zero points other than {middle}: asymmetric GPTQ "
+                                  "is not supported yet")
+        values = (unpack_int32(tensors["qweight"], self.bits, dim=0) - middle).t()          # [out, in]
+        scales = tensors["scales"]
+        if not scales.dtype.is_floating_point:
+            raise CheckpointError(f"tensor {name}.scales is {scales.dtype}, not floating point")
+        g_idx = tensors["g_idx"].to(torch.int64)
+        order = torch.argsort(g_idx, stable=True)                  # each group's columns together
+        expected = torch.arange(in_features) // self.group_size
+        if not torch.equal(g_idx[order], expected):
+            raise CheckpointError(f"tensor {name}.g_idx does not put {self.group_size} columns in each of "
+                                  f"{in_features // self.group_size} groups")
+        in_order = torch.equal(order, torch.arange(in_features))
+        return QuantizedWeight(values[:, order].to(torch.int8).contiguous(), scales.t().to(torch.float16).contiguous(),
+                               self.bits, self.group_size, None if in_order else order)
+
+
+def read_config(quant: dict, where: str) -> Gptq:
+    """quantization_config (quant_method gptq) -> its scheme; CheckpointError naming the field."""
+    bits, group = quant.get("bits"), quant.get("group_size")
+    if bits not in (4, 8):
+        raise CheckpointError(f"{where}.bits {bits!r} is not supported (4 or 8)")
+    if quant.get("sym", True) is not True:
+        raise CheckpointError(f"{where}.sym is {quant.get('sym')!r}: asymmetric GPTQ is not supported yet")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 32:
+        raise CheckpointError(f"{where}.group_size {group!r} is not supported (a multiple of 32; per-channel -1 "
+                              "is not read yet)")
+    check_scheme(bits, group)
+    version = quant.get("checkpoint_format", "gptq")
+    if version not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"{where}.checkpoint_format {version!r} is not supported (gptq or gptq_v2)")
+    return Gptq(bits, group, 1 if version == "gptq" else 0)

@@ -1,0 +1,167 @@
+"""GPTQ checkpoints (hybrid_engine/checkpoint_formats/gptq.py): symmetric int4 / int8, v1 and v2
+zero points, with and without act-order (desc_act: scattered groups, x gathered into the stored
+column order): a GPTQ checkpoint runs as the float checkpoint of its dequantized weights (the
+plain path on the same weights: the torch backend, float x), and the native kernel as its torch
+reference on the same gathered x; broken or unsupported ones are one error naming the tensor
+or field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.checkpoint_formats import gptq
+from hybrid_engine.kernels.backends import native_cpu_available
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, quantize
+from hybrid_engine.models.config import CheckpointError
+
+from spec_models import make_spec_checkpoint
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe")
+PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
+# GPTQ releases quantize the projections; lm_head, the embeddings, GDN's b / a and mtp.fc stay
+# 16-bit (experts too in these tests: quantized experts are not read from checkpoints yet)
+GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+                "up_proj", "down_proj")
+needs_native = pytest.mark.skipif(not native_cpu_available(), reason="no native kernels at this CPU level")
+
+
+def _is_gptq(name: str) -> bool:
+    module = name.removesuffix(".weight").rpartition(".")[2]
+    return name.endswith(".weight") and module in GPTQ_MODULES and ".experts." not in name
+
+
+def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group: int, desc_act: bool,
+                    version: str = "gptq") -> None:
+    """A GPTQ copy of `src` and a float copy of its dequantized values. With desc_act each input
+    width gets one random column order (projections that read the same input share it, as
+    GPTQ's order comes from that input's statistics)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    orders: dict[int, torch.Tensor] = {}
+    as_gptq, dequantized = {}, {}
+    middle = 1 << (bits - 1)
+    for name, w in tensors.items():
+        if not _is_gptq(name) or w.shape[1] % group:          # (a width the group does not divide: 16-bit)
+            as_gptq[name] = dequantized[name] = w
+            continue
+        out, cols = w.shape
+        order = orders.setdefault(cols, torch.randperm(cols, generator=torch.Generator().manual_seed(cols))
+                                  if desc_act else torch.arange(cols))
+        qw = quantize(w[:, order], bits, group)                    # groups over the ordered columns
+        values = torch.empty_like(qw.values).index_copy_(1, order, qw.values)      # back in stored order
+        g_idx = torch.empty(cols, dtype=torch.int32).index_copy_(
+            0, order, (torch.arange(cols) // group).to(torch.int32))
+        base = name.removesuffix(".weight")
+        as_gptq[f"{base}.qweight"] = gptq.pack_int32((values.to(torch.int64) + middle).t(), bits, dim=0)
+        zeros = torch.full((cols // group, out), middle - (1 if version == "gptq" else 0))
+        as_gptq[f"{base}.qzeros"] = gptq.pack_int32(zeros, bits, dim=1)
+        as_gptq[f"{base}.scales"] = qw.scales.t().contiguous()
+        as_gptq[f"{base}.g_idx"] = g_idx
+        scales = qw.scales.float().repeat_interleave(group, 1)
+        dequantized[name] = torch.empty_like(w).index_copy_(1, order, qw.values.float() * scales)
+    for folder, out in ((gptq_dir, as_gptq), (float_dir, dequantized)):
+        folder.mkdir()
+        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((src / "config.json").read_text())
+        if folder == gptq_dir:
+            config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                             "desc_act": desc_act, "sym": True, "checkpoint_format": version}
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+def _engine(model: Path, backend: str = "torch") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
+                                  max_num_batched_tokens=24, kernel_backend=backend,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+
+
+def _run(engine: LLMEngine) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def ckpt(request, tmp_path_factory):
+    return make_spec_checkpoint(tmp_path_factory.mktemp(request.param), request.param, embed_scale=1.6)
+
+
+@pytest.mark.parametrize("bits,group,desc_act,version", [(4, 32, False, "gptq"), (4, 32, True, "gptq"),
+                                                         (8, 64, True, "gptq_v2")])
+def test_gptq_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path, bits, group, desc_act, version):
+    write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", bits, group, desc_act, version)
+    stored = _engine(tmp_path / "gptq")
+    layer = dict(stored.model.named_modules())["mtp.layers.0.self_attn.qkv_proj"]
+    # (with one group per row, 64 columns in groups of 64, any order keeps the groups: none needed)
+    assert isinstance(layer.method, QuantizedLinearMethod)
+    assert (layer.input_order is not None) == (desc_act and group < layer.in_features)
+    want, got = _run(_engine(tmp_path / "float")), _run(stored)
+    for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):
+        assert g_ids == w_ids
+        torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
+
+
+@needs_native
+def test_native_act_order_matches_its_reference(ckpt, tmp_path, monkeypatch):
+    write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", 4, 32, True)
+    native = _run(_engine(tmp_path / "gptq", "cpu"))
+    from hybrid_engine import engine as engine_module, quantization
+    from hybrid_engine.checkpoint_formats import stored_quantization
+    from hybrid_engine.models.loader import checkpoint_names
+    monkeypatch.setattr(engine_module, "quantized_layers", lambda config, float_method, kernels: (
+        quantization.CheckpointLayers(stored_quantization(config.model), checkpoint_names(config.model),
+                                      float_method, native=False, int8_activations=True)))
+    assert _run(_engine(tmp_path / "gptq", "cpu")) == native
+
+
+@pytest.fixture(scope="module")
+def gptq_checkpoint(tmp_path_factory):
+    src = make_spec_checkpoint(tmp_path_factory.mktemp("src"), "qwen3_5")
+    root = tmp_path_factory.mktemp("gptq")
+    write_gptq_pair(src, root / "gptq", root / "float", 4, 32, True)
+    return root / "gptq"
+
+
+def _broken(src: Path, dst: Path, config_edit=None, tensors_edit=None) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if config_edit:
+        config = json.loads((dst / "config.json").read_text())
+        config_edit(config["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    if tensors_edit:
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors_edit(tensors)
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+BASE = "model.layers.0.mlp.down_proj"
+
+
+@pytest.mark.parametrize("config_edit,tensors_edit,message", [
+    (lambda q: q.update(sym=False), None, "sym is False: asymmetric GPTQ"),
+    (lambda q: q.update(bits=3), None, "bits 3 is not supported"),
+    (lambda q: q.update(group_size=-1), None, "group_size -1 is not supported"),
+    (lambda q: q.update(checkpoint_format="marlin"), None, "checkpoint_format 'marlin'"),
+    (None, lambda t: t.update({f"{BASE}.qzeros": t[f"{BASE}.qzeros"] + 1}), "qzeros holds zero points other than 8"),
+    (None, lambda t: t.update({f"{BASE}.g_idx": torch.zeros_like(t[f"{BASE}.g_idx"])}), "g_idx does not put 32"),
+    (None, lambda t: t.pop(f"{BASE}.scales"), "missing 1 tensor\\(s\\): layers.0.mlp.down_proj.scales"),
+    (None, lambda t: t.update({f"{BASE}.qweight": t[f"{BASE}.qweight"].float()}), "qweight is torch.float32, not int32"),
+])
+def test_broken_gptq_checkpoints_are_one_clear_error(gptq_checkpoint, tmp_path, config_edit, tensors_edit, message):
+    broken = _broken(gptq_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
