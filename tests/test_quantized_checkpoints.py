@@ -135,8 +135,8 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale"
 
 
 @pytest.mark.parametrize("config_edit,tensors_edit,message", [
-    (lambda q: q.update(quant_method="gptq"), None, "quant_method 'gptq' is not supported; this engine reads "
-                                                    "'compressed-tensors', 'fp8'"),
+    (lambda q: q.update(quant_method="awq"), None, "quant_method 'awq' is not supported; this engine reads "
+                                                   "'compressed-tensors', 'fp8', 'gptq'"),
     (lambda q: q.update(format="int-quantized"), None, "format 'int-quantized' is not supported"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), None, "symmetric is False"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), None, "num_bits 3 is not supported"),
