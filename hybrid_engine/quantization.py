@@ -87,7 +87,8 @@ class QuantizedLayers:
         shards = tuple(layer.shards or ())
         float_shards = tuple(s for s in GDN_FLOAT_SHARDS if s in shards)
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
-                                     float_shards=float_shards, int8_activations=self.int8_activations)
+                                     float_shards=float_shards, int8_activations=self.int8_activations,
+                                     float_method=self.float_method)
 
     def _experts(self, name: str, experts) -> LinearMethod | None:
         """Each expert's gate_up and down projections quantized like the others (None: float)."""
@@ -132,7 +133,7 @@ class CheckpointLayers(QuantizedLayers):
         float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
                                      float_shards=float_shards, int8_activations=self.int8_activations,
-                                     checkpoint=self.checkpoint)
+                                     checkpoint=self.checkpoint, float_method=self.float_method)
 
     def progress_bar(self, layers):
         return layers                                  # nothing to quantize: the layers only repack

@@ -91,7 +91,7 @@ class SameProjectionsOnline(QuantizedLayers):
         bases = [base for base, _ in shard_names(layer, name)]
         if not any(base in self.fp8_names for base in bases):
             return self.float_method
-        return QuantizedLinearMethod(8, 32, native=self.native, float_shards=tuple(
+        return QuantizedLinearMethod(8, 32, native=self.native, float_method=self.float_method, float_shards=tuple(
             base.rpartition(".")[2] for base in bases if base not in self.fp8_names))
 
 

@@ -136,13 +136,31 @@ def test_native_quantized_kernel_matches_its_torch_reference(ckpt, method, monke
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_native_quantized_mtp_is_lossless(ckpt, method):
     """Greedy tokens with MTP k=2 equal those without: each row's product is the same whichever
-    rows share its step (the kernel rounds x per row)."""
+    rows share its step (the kernel rounds x per row, and the float tail shards run the backend's
+    blocked product, not MKL's, whose sums change with the rows)."""
     def run(k):
         engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=4,
                                         max_num_batched_tokens=24, quantization=method,
                                         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None))
         return [ids for ids, _, _ in _run(engine, max_tokens=16)]
     assert run(2) == run(0)
+
+
+@needs_native
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_native_quantized_mtp_is_lossless_on_the_default_model(method):
+    """The same on the default model's own prompts at k = 1 and 3, logprobs bit for bit too (a tail
+    product through MKL once moved them by 1e-2, and x's int8 rounding turned that into other
+    tokens for one prompt)."""
+    from hybrid_engine.cli.bench import BUILTIN_PROMPTS
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+
+    def run(k):
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        outs = LLM(dtype="float32", quantization=method, speculative_config=spec).generate(BUILTIN_PROMPTS, params)
+        return [(o.token_ids, o.logprobs) for o in outs]
+    without = run(0)
+    assert run(1) == without and run(3) == without
 
 
 DEFAULT_PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Node:\n    def __init__(self",

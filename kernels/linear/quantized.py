@@ -200,8 +200,13 @@ class QuantizedLinearMethod(LinearMethod):
     be the layer's last rows, and run as a plain product beside the quantized one."""
 
     def __init__(self, bits: int, group_size: int, native: bool = False, float_shards: tuple[str, ...] = (),
-                 int8_activations: bool | None = None, checkpoint: QuantizedCheckpoint | None = None):
+                 int8_activations: bool | None = None, checkpoint: QuantizedCheckpoint | None = None,
+                 float_method: LinearMethod | None = None):
         check_scheme(bits, group_size)
+        # float_method: the float shards' method (the backend's own: the cpu one's blocked product
+        # gives a row the same bits in any batch, as MTP's lossless verify needs; a plain product
+        # goes through MKL, whose order of sums changes with the row count)
+        self.float_method = float_method or LinearMethod()
         # checkpoint: the layer loads its quantized projections as that format stores them
         # (else it loads float weights and quantizes them after loading: online quantization)
         self.checkpoint = checkpoint
@@ -292,6 +297,7 @@ class QuantizedLinearMethod(LinearMethod):
         layer.qweight, layer.qscales = pack(qw)
         layer.input_order = qw.input_order
         layer.float_tail = None if float_tail is None else float_tail.detach().to(dtype).clone()
+        layer.tail_product = None if float_tail is None else self._tail_product(layer.float_tail)
         layer.weight_dtype = dtype
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
 
@@ -309,7 +315,19 @@ class QuantizedLinearMethod(LinearMethod):
         y = self._quantized_product(layer, x)
         if layer.float_tail is None:
             return y if y.is_contiguous() else y.contiguous()
-        return torch.cat([y, plain_linear(x, layer.float_tail)], dim=-1)
+        return torch.cat([y, layer.tail_product(x)], dim=-1)
+
+    def _tail_product(self, tail: torch.Tensor):
+        """x -> x tail^T by the float method, on a holder of the tail rows' own (the method keeps
+        its layout there; `float_tail` stays the plain rows, a few KB, for reading them back)."""
+        holder = nn.Module()
+        holder.shards, holder.in_features, holder.out_features = None, tail.shape[1], tail.shape[0]
+        holder.output_sizes = [tail.shape[0]]
+        with torch.device("meta"):
+            self.float_method.create_weights(holder, holder.in_features, holder.out_features, tail.dtype)
+        holder.weight = nn.Parameter(tail.clone(), requires_grad=False)
+        self.float_method.process_weights_after_loading(holder)
+        return self.float_method.product(holder)
 
     def product(self, layer: nn.Module):
         return functools.partial(self.apply, layer)
