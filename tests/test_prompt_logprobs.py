@@ -1,5 +1,5 @@
 """SamplingParams(prompt_logprobs=k): each prompt token's logprob and the k most likely tokens at
-its position, within 1e-4 of a float64 transformers forward of the whole prompt (the exact
+its position, within 2e-4 of a float64 transformers forward of the whole prompt (the exact
 values: transformers in float32 is itself up to 1.5e-4 off them), through chunked prefill,
 prefix caching, preemption, n samples, MTP speculation and streaming."""
 
@@ -15,7 +15,9 @@ from spec_models import make_spec_checkpoint
 
 VOCAB = 256
 LENGTHS = (1, 2, 17, 40, 70)
-TOLERANCE = 1e-4
+# float32's own distance from the exact values: transformers' float32 forward is up to 1.5e-4
+# off them here, the native kernels at the AVX2 level 1.2e-4 (the AVX-512 ones under 1e-4)
+TOLERANCE = 2e-4
 
 
 @pytest.fixture(scope="module")
