@@ -15,17 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import EngineConfig, LLMEngine
 from hybrid_engine.checkpoint_formats import fp8
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.kernels.linear.reference import shard_names
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine.quantization import Quantization, QuantizedLayers
 
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
 # What Qwen's FP8 releases store in FP8 (PEERS.md): the projections, not lm_head, mtp.fc, GDN's
 # b / a, the router or (here) the experts; Qwen3-Next's grouped in_proj_qkvz stays 16-bit in
 # these tests (its FP8 form is not read yet).
@@ -95,22 +95,8 @@ class SameProjectionsOnline(QuantizedLayers):
             base.rpartition(".")[2] for base in bases if base not in self.fp8_names))
 
 
-def _engine(model: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
-                                  max_num_batched_tokens=24,
-                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
 
 
-def _run(engine: LLMEngine) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -122,17 +108,17 @@ def ckpt(request, tmp_path_factory):
 def test_fp8_checkpoint_runs_as_its_dequantized_weights_quantized(ckpt, tmp_path, monkeypatch, block, scale_dtype):
     names = write_fp8_pair(ckpt, tmp_path / "fp8", tmp_path / "float", block, scale_dtype,
                            language_model_prefix=block == 128)
-    stored = _engine(tmp_path / "fp8")
+    stored = mtp_engine(tmp_path / "fp8")
     layers = dict(stored.model.named_modules())
     assert isinstance(layers["layers.0.linear_attn.in_proj"].method, QuantizedLinearMethod) != ("qwen3_next" in str(ckpt))
     assert isinstance(layers["mtp.layers.0.self_attn.qkv_proj"].method, QuantizedLinearMethod)
     assert not isinstance(layers["lm_head"].method, QuantizedLinearMethod)
-    got = _run(stored)
+    got = greedy_runs(stored)
     from hybrid_engine import engine as engine_module
     native = layers["mtp.layers.0.self_attn.qkv_proj"].method.native
     monkeypatch.setattr(engine_module, "quantized_layers",
                         lambda config, float_method, kernels: SameProjectionsOnline(names, float_method, native))
-    assert got == _run(_engine(tmp_path / "float"))
+    assert got == greedy_runs(mtp_engine(tmp_path / "float"))
 
 
 @pytest.fixture(scope="module")
@@ -143,19 +129,6 @@ def fp8_checkpoint(tmp_path_factory):
     return root / "fp8"
 
 
-def _broken(src: Path, dst: Path, config_edit=None, tensors_edit=None) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    if config_edit:
-        config = json.loads((dst / "config.json").read_text())
-        config_edit(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    if tensors_edit:
-        tensors = load_file(str(dst / "model.safetensors"))
-        tensors_edit(tensors)
-        save_file(tensors, str(dst / "model.safetensors"))
-    return dst
 
 
 SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"
@@ -170,7 +143,7 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"
     (None, lambda t: t.update({SCALE: torch.full_like(t[SCALE], float("inf"))}), "NaN or Inf"),
 ])
 def test_broken_fp8_checkpoints_are_one_clear_error(fp8_checkpoint, tmp_path, config_edit, tensors_edit, message):
-    broken = _broken(fp8_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    broken = broken_copy(fp8_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
     if message is None:
         # without its scale the FP8 weight is no longer marked FP8: it would load as raw e4m3
         # values (W / scale), a silently wrong model. The loader refuses float8 weights that

@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import EngineConfig, LLMEngine
 from hybrid_engine.checkpoint_formats import gptq
 from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, quantize
 from hybrid_engine.models.config import CheckpointError
 
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
-PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
 # GPTQ releases quantize the projections; lm_head, the embeddings, GDN's b / a and mtp.fc stay
 # 16-bit (experts too in these tests: quantized experts are not read from checkpoints yet)
 GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
@@ -74,22 +74,8 @@ def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group
         (folder / "config.json").write_text(json.dumps(config))
 
 
-def _engine(model: Path, backend: str = "torch") -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
-                                  max_num_batched_tokens=24, kernel_backend=backend,
-                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
 
 
-def _run(engine: LLMEngine) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -101,12 +87,12 @@ def ckpt(request, tmp_path_factory):
                                                          (8, 64, True, "gptq_v2")])
 def test_gptq_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path, bits, group, desc_act, version):
     write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", bits, group, desc_act, version)
-    stored = _engine(tmp_path / "gptq")
+    stored = mtp_engine(tmp_path / "gptq", "torch")
     layer = dict(stored.model.named_modules())["mtp.layers.0.self_attn.qkv_proj"]
     # (with one group per row, 64 columns in groups of 64, any order keeps the groups: none needed)
     assert isinstance(layer.method, QuantizedLinearMethod)
     assert (layer.input_order is not None) == (desc_act and group < layer.in_features)
-    want, got = _run(_engine(tmp_path / "float")), _run(stored)
+    want, got = greedy_runs(mtp_engine(tmp_path / "float", "torch")), greedy_runs(stored)
     for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):
         assert g_ids == w_ids
         torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
@@ -115,14 +101,14 @@ def test_gptq_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path, bits, g
 @needs_native
 def test_native_act_order_matches_its_reference(ckpt, tmp_path, monkeypatch):
     write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", 4, 32, True)
-    native = _run(_engine(tmp_path / "gptq", "cpu"))
+    native = greedy_runs(mtp_engine(tmp_path / "gptq", "cpu"))
     from hybrid_engine import engine as engine_module, quantization
     from hybrid_engine.checkpoint_formats import stored_quantization
     from hybrid_engine.models.loader import checkpoint_names
     monkeypatch.setattr(engine_module, "quantized_layers", lambda config, float_method, kernels: (
         quantization.CheckpointLayers(stored_quantization(config.model), checkpoint_names(config.model),
                                       float_method, native=False, int8_activations=True)))
-    assert _run(_engine(tmp_path / "gptq", "cpu")) == native
+    assert greedy_runs(mtp_engine(tmp_path / "gptq", "cpu")) == native
 
 
 @pytest.fixture(scope="module")
@@ -133,19 +119,6 @@ def gptq_checkpoint(tmp_path_factory):
     return root / "gptq"
 
 
-def _broken(src: Path, dst: Path, config_edit=None, tensors_edit=None) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    if config_edit:
-        config = json.loads((dst / "config.json").read_text())
-        config_edit(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    if tensors_edit:
-        tensors = load_file(str(dst / "model.safetensors"))
-        tensors_edit(tensors)
-        save_file(tensors, str(dst / "model.safetensors"))
-    return dst
 
 
 BASE = "model.layers.0.mlp.down_proj"
@@ -162,6 +135,6 @@ BASE = "model.layers.0.mlp.down_proj"
     (None, lambda t: t.update({f"{BASE}.qweight": t[f"{BASE}.qweight"].float()}), "qweight is torch.float32, not int32"),
 ])
 def test_broken_gptq_checkpoints_are_one_clear_error(gptq_checkpoint, tmp_path, config_edit, tensors_edit, message):
-    broken = _broken(gptq_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    broken = broken_copy(gptq_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
     with pytest.raises(CheckpointError, match=message):
         LLMEngine(EngineConfig(model=str(broken), dtype="float32"))

@@ -7,12 +7,10 @@ every broken or unsupported checkpoint is one error naming the tensor or field."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from safetensors.torch import load_file, save_file
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32, unpack_int32
@@ -22,10 +20,10 @@ from hybrid_engine.models.config import CheckpointError
 from hybrid_engine.quantization import Quantization, QuantizedLayers
 from hybrid_engine.quantize_checkpoint import write_quantized
 
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -33,22 +31,8 @@ def ckpt(request, tmp_path_factory):
     return make_spec_checkpoint(tmp_path_factory.mktemp(request.param), request.param, embed_scale=1.6)
 
 
-def _engine(model, backend="auto", **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
-                                  max_num_batched_tokens=24, kernel_backend=backend,
-                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kwargs))
 
 
-def _run(engine: LLMEngine) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
 
 
 @pytest.mark.parametrize("method,group", [("int8", 32), ("int4", 32), ("int4", 64)])
@@ -57,7 +41,7 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
     dst = tmp_path / "q"
     write_quantized(ckpt, dst, Quantization(method, group))
     assert (dst / "model.safetensors").stat().st_size < (ckpt / "model.safetensors").stat().st_size
-    stored = _engine(dst, backend)
+    stored = mtp_engine(dst, backend)
     layers = dict(stored.model.named_modules())
     mlp = "layers.0.mlp.shared_expert.gate_up_proj" if "layers.0.mlp.experts" in layers else "layers.0.mlp.gate_up_proj"
     for name in ("layers.0.linear_attn.in_proj", mlp, "mtp.layers.0.self_attn.qkv_proj", "lm_head"):
@@ -66,8 +50,8 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
     # the written checkpoint keeps MoE experts float (not read quantized yet): online likewise
     monkeypatch.setattr(QuantizedLayers, "_experts", lambda self, name, experts: None)
-    online = _engine(ckpt, backend, quantization=method, quantization_group_size=group)
-    assert _run(stored) == _run(online)
+    online = mtp_engine(ckpt, backend, quantization=method, quantization_group_size=group)
+    assert greedy_runs(stored) == greedy_runs(online)
 
 
 def test_tied_lm_head_stays_float(tmp_path, monkeypatch):
@@ -116,19 +100,6 @@ def int4_checkpoint(tmp_path_factory):
     return dst
 
 
-def _broken_copy(src: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    if edit_config:
-        config = json.loads((dst / "config.json").read_text())
-        edit_config(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    if edit_tensors:
-        tensors = load_file(str(dst / "model.safetensors"))
-        edit_tensors(tensors)
-        save_file(tensors, str(dst / "model.safetensors"))
-    return dst
 
 
 SCALE = "model.layers.0.mlp.down_proj.weight_scale"
@@ -150,7 +121,7 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale"
      "weight_packed is torch.float32, not int32"),
 ])
 def test_broken_checkpoints_are_one_clear_error(int4_checkpoint, tmp_path, config_edit, tensors_edit, message):
-    broken = _broken_copy(int4_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    broken = broken_copy(int4_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
     with pytest.raises(CheckpointError, match=message):
         LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
 

@@ -194,3 +194,53 @@ def test_int8_activations_cost_little_on_the_default_model():
         assert abs(kl) < 0.01 and gap < 0.1, (kl, gap)
         assert max(f, key=f.get) == max(n, key=n.get)
         assert _distance(r, n)[1] < 0.1
+
+
+def test_tied_embedding_reads_the_quantized_table(tmp_path):
+    """The default model ties its embedding to lm_head: the quantized engine frees the float table
+    and embeds from lm_head's dequantized rows, which a float run of the dequantized checkpoint
+    (its one table dequantized) reproduces token for token."""
+    from hybrid_engine.default_model import default_model_path
+    src = Path(default_model_path())
+    tensors = load_file(str(src / "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    dst = tmp_path / "dq"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    for name, t in tensors.items():
+        if _quantized_by_online_quantization(name) or name.endswith("embed_tokens.weight"):
+            tensors[name] = dequantize(quantize(t, 4, 32)).to(t.dtype)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    quantized = LLM(dtype="float32", quantization="int4", kernel_backend="torch")
+    assert quantized.engine.model.embed_tokens.weight.is_meta
+    want = LLM(model=str(dst), dtype="float32", kernel_backend="torch").generate(["def read_config(path):"], params)
+    got = quantized.generate(["def read_config(path):"], params)
+    assert got[0].token_ids == want[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(quantization="int3"), "quantization must be one of"),
+    (dict(quantization="int4", quantization_group_size=3), "quantization_group_size: group size 3"),
+    (dict(quantization="int8", quantization_group_size="32"), "quantization_group_size must be an int"),
+    (dict(quantization_group_size=32), "quantization_group_size is set but quantization is None"),
+])
+def test_bad_quantization_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs).validate()
+
+
+def test_a_group_size_that_does_not_divide_keeps_those_layers_float(ckpt, caplog):
+    """Groups of 48 divide none of the tiny models' input widths (64, 128, 32): every projection
+    stays float, the log names them, and the engine runs."""
+    with caplog.at_level(logging.WARNING, logger="hybrid_engine"):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", quantization="int8",
+                                        quantization_group_size=48, kernel_backend="torch"))
+    layers = [m for m in engine.model.modules() if hasattr(m, "shards")]
+    assert layers and not any(isinstance(m.method, QuantizedLinearMethod) for m in layers)
+    assert "kept float" in caplog.text and "layers.0." in caplog.text
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .reference import LinearMethod, plain_linear, shard_names
+from .reference import LinearMethod, shard_names
 
 BLOCK = 16
 BITS = (8, 4)
