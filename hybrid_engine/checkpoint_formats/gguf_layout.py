@@ -26,7 +26,8 @@ Names (ours -> GGUF; layer i is `blk.{i}`, the MTP layer `blk.{num_hidden_layers
 
 Changes the converter makes (each undone here, in this order's reverse):
     1. every `*norm.weight` but GDN's gated norm (linear_attn.norm) is stored + 1 (Qwen3.5's
-       RMSNorm multiplies by 1 + w): the MTP head's enorm / hnorm / shared_head_norm too;
+       RMSNorm multiplies by 1 + w): the MTP head's too (mtp.pre_fc_norm_embedding / _hidden,
+       renamed enorm / hnorm before the converter's test of the name, and mtp.norm);
     2. A_log is stored as -exp(A_log);
     3. conv1d [C, 1, K] is stored squeezed to [C, K];
     4. qwen35 / qwen35moe with fewer key heads than value heads: the value heads are reordered
@@ -115,7 +116,9 @@ def stored_in(name: str, arch: str, num_hidden_layers: int, present: set[str]) -
 
 
 def _is_shifted_norm(name: str) -> bool:
-    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+    # the converter tests the GGUF-bound name: mtp.pre_fc_norm_* are nextn.enorm / hnorm by then
+    return (name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")) or name in (
+        "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 
 
 def _swap_heads(t: torch.Tensor, dim: int, outer: int, inner: int, head_dim: int) -> torch.Tensor:
