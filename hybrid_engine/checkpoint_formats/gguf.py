@@ -80,25 +80,42 @@ def _shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))          # GGUF lists dimensions innermost first
 
 
+def _reader(path: Path):
+    """gguf's GGUFReader, which first checks that each tensor's data lies inside the file (its
+    own error for a truncated file is numpy's, naming no tensor)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type[0])]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * size // block
+                if end > len(self.data):
+                    raise CheckpointError(f"{path}: tensor {bytes(name).decode()} ends at byte {end}, past the "
+                                          f"file's end ({len(self.data)}): the file is truncated")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader(str(path))
+
+
 class GgufFile:
     """One GGUF file opened: its config, tokenizer and tensors under our names."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
         self.path = Path(path)
         try:
-            reader = GGUFReader(str(self.path))
+            reader = _reader(self.path)
+        except CheckpointError:
+            raise
         except Exception as e:            # the reader raises ValueError, IndexError, ... on a bad file
             raise CheckpointError(f"cannot read GGUF file {self.path}: {e}") from e
-        size = self.path.stat().st_size
         self.tensors = {t.name: t for t in reader.tensors}
-        for t in reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise CheckpointError(f"{self.path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, past "
-                                      f"the file's end ({size}): the file is truncated")
         self.metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         self.shapes = {name: _shape(t) for name, t in self.tensors.items()}
-        self.config: ModelConfig = model_config(self.metadata, self.shapes, str(self.path))
+        embedding = self.tensors.get("token_embd.weight")
+        self.config: ModelConfig = model_config(self.metadata, self.shapes, str(self.path),
+                                                embedding.tensor_type.name if embedding is not None else None)
         self.arch = self.metadata["general.architecture"]
         c = self.config
         self.heads = (VHeadOrder(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,

@@ -18,7 +18,7 @@ models/config.py's `parse_config` checks them as it checks any config.json.
     {arch}.attention.recurrent_layers   layer_types (else {arch}.full_attention_interval)
     {arch}.context_length               max_position_embeddings
     tokenizer.ggml.eos_token_id         eos_token_id
-vocab_size is the embedding's rows; the lm_head is tied when the file has no output.weight;
+vocab_size is the embedding's rows, torch_dtype its type where float (else float32); the lm_head is tied when the file has no output.weight;
 Qwen3-Next's dense-MLP layers (mlp_only_layers) are those without a router (ffn_gate_inp).
 """
 
@@ -31,8 +31,14 @@ from hybrid_engine.models.config import CheckpointError, ConfigError, ModelConfi
 from .gguf_layout import ARCHITECTURES
 
 
-def model_config(metadata: dict, tensor_shapes: dict[str, tuple[int, ...]], where: str) -> ModelConfig:
-    """metadata: key -> value (gguf's field contents); tensor_shapes: GGUF name -> torch-order shape."""
+# dtype="auto" loads a float file in the embedding's own float type (config.json's torch_dtype)
+TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def model_config(metadata: dict, tensor_shapes: dict[str, tuple[int, ...]], where: str,
+                 embedding_type: str | None = None) -> ModelConfig:
+    """metadata: key -> value (gguf's field contents); tensor_shapes: GGUF name -> torch-order
+    shape; embedding_type: token_embd's GGUF type name."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: general.architecture is {arch!r}; this engine reads "
@@ -72,6 +78,7 @@ def model_config(metadata: dict, tensor_shapes: dict[str, tuple[int, ...]], wher
         "max_position_embeddings": key("context_length", 32768, required=False),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "mtp_num_hidden_layers": mtp_layers,
+        "torch_dtype": TORCH_DTYPES.get(embedding_type),
     }
     recurrent = key("attention.recurrent_layers", required=False)
     if recurrent is not None:

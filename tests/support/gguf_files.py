@@ -5,6 +5,7 @@ checkpoints: the forward direction of hybrid_engine/checkpoint_formats/gguf_layo
     write_gguf(folder, path, "Q4_0")                     # every 2-D / 3-D weight in Q4_0
     write_gguf(folder, path, "Q8_0", dequantized=True)   # the same values, stored F32: the reference
 
+K-quants (Q4_K, Q6_K) are random valid blocks (gguf's Python package cannot quantize to them).
 Kept F32 as the converter keeps them: 1-D tensors, norms, conv1d, the routers
 (ffn_gate_inp, ffn_gate_inp_shexp). `types` overrides a GGUF tensor's type by name.
 """
@@ -60,20 +61,26 @@ def gguf_tensors(folder: Path) -> tuple[object, str, dict[str, torch.Tensor]]:
 
 
 def _type(gname: str, t: torch.Tensor, qtype: str, types: dict[str, str]) -> str:
+    """llama-quantize's choice, simplified: qtype where the rows are whole blocks of it."""
+    import gguf
     if gname in types:
         return types[gname]
-    if t.dim() < 2 or gname.endswith(ALWAYS_F32) or t.shape[-1] % 32:
+    if t.dim() < 2 or gname.endswith(ALWAYS_F32) or qtype == "F32":
         return "F32"
-    return qtype
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    return "F32" if t.shape[-1] % block else qtype
 
 
 def write_gguf(folder: Path, path: Path, qtype: str = "F32", dequantized: bool = False,
-               types: dict[str, str] | None = None, drop: tuple[str, ...] = (), tokenizer: bool = False) -> Path:
+               types: dict[str, str] | None = None, drop: tuple[str, ...] = (), tokenizer: bool = False,
+               architecture: str | None = None) -> Path:
     """Write `folder`'s checkpoint to `path` with the 2-D / 3-D weights in `qtype`; dequantized:
-    store the quantized values as F32 instead (the float reference of the same weights)."""
+    store the quantized values as F32 instead (the float reference of the same weights).
+    drop: GGUF tensors left out; architecture: general.architecture written instead of the family's."""
     import gguf
     cfg, arch, tensors = gguf_tensors(Path(folder))
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), architecture or arch)
+    arch = architecture or arch
     w.add_block_count(cfg.num_hidden_layers + (cfg.mtp_num_hidden_layers or 0))
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -112,7 +119,7 @@ def write_gguf(folder: Path, path: Path, qtype: str = "F32", dequantized: bool =
             w.add_tensor(gname, data)
             continue
         qt = gguf.GGMLQuantizationType[kind]
-        blocks = gguf.quants.quantize(data, qt)
+        blocks = _k_quant_blocks(data.shape, qt, gname) if kind in K_SCALES else gguf.quants.quantize(data, qt)
         if dequantized:
             w.add_tensor(gname, gguf.quants.dequantize(blocks, qt).astype(np.float32))
         else:
@@ -122,6 +129,22 @@ def write_gguf(folder: Path, path: Path, qtype: str = "F32", dequantized: bool =
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# gguf's Python package does not quantize to K-quants: such tensors get random blocks with these
+# superblock scales (byte offsets of d / dmin as float16), whose dequantized weights stay small.
+K_SCALES = {"Q4_K": {0: 2e-4, 2: 2e-4}, "Q6_K": {208: 2e-5}}
+
+
+def _k_quant_blocks(shape: tuple[int, ...], qt, name: str) -> np.ndarray:
+    import zlib
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
+    for offset, scale in K_SCALES[qt.name].items():
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
 
 
 def _add_tokenizer(w, folder: Path) -> None:
