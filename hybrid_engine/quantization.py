@@ -10,6 +10,9 @@ sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_
 (stacked [E, ...] tensors, no projection layer). A projection whose input width the group size
 does not divide stays float too, and the engine's log says which.
 
+Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
+`CheckpointLayers` (compressed-tensors folders) and `GgufLayers` (GGUF files).
+
 The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
 where the cpu backend's kernels build (activations rounded to int8 in blocks of 32, as
 llama.cpp's quantized products round them; group sizes a multiple of 32), else its torch
