@@ -131,10 +131,7 @@ class GgufFile:
         return gguf_tokenizer(self.metadata, str(self.path))
 
     def _sources(self, name: str) -> list[str]:
-        return stored_in(name, self.arch, self.config.num_hidden_layers, set(self.tensors))
-
-    def _type_name(self, gname: str) -> str:
-        return self.tensors[gname].tensor_type.name
+        return stored_in(name, self.arch, self.config.num_hidden_layers, self.tensors.keys())
 
     def stored_bits(self, projection: str) -> int | None:
         """8 or 4 where our projection `projection` (no `.weight`) loads quantized; None: float."""

@@ -102,8 +102,9 @@ def gguf_name(name: str, num_hidden_layers: int) -> str | None:
     return f"blk.{block}.{LAYER_NAMES[m['rest']]}"
 
 
-def stored_in(name: str, arch: str, num_hidden_layers: int, present: set[str]) -> list[str]:
-    """The GGUF tensors that hold our tensor `name`, [] if the name has none."""
+def stored_in(name: str, arch: str, num_hidden_layers: int, present) -> list[str]:
+    """The GGUF tensors that hold our tensor `name`, [] if the name has none; present: the
+    file's tensor names (its experts are fused or not)."""
     gname = gguf_name(name, num_hidden_layers)
     if gname is None:
         return []
