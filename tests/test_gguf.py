@@ -92,6 +92,13 @@ def test_quantized_file_runs_as_online_quantization_on_the_default_backend(ckpt,
     assert _run(_engine(path, "auto")) == _run(_engine(reference, "auto", quantization=method))
 
 
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_16_bit_float_files_load_as_float(small, tmp_path, qtype):
+    engine = _engine(write_gguf(small, tmp_path / "h.gguf", qtype))
+    assert not any(isinstance(m.method, QuantizedLinearMethod) for m in engine.model.modules() if hasattr(m, "method"))
+    assert _run(engine) == _run(_engine(write_gguf(small, tmp_path / "d.gguf", qtype, dequantized=True)))
+
+
 def test_blocks_load_unchanged(tmp_path):
     """Q8_0 / Q4_0 blocks are the layer's values and scales as they are: its weight is gguf's own
     dequantization of the file's blocks, bit for bit."""
