@@ -1,6 +1,6 @@
 """GGUF files (hybrid_engine/checkpoint_formats/gguf.py), written here as llama.cpp's converter
-writes them (tests/support/gguf_files.py; checked against the converter itself by
-benchmarks/check_gguf.py): an F32 file runs as its HF folder, every parameter loaded equal; Q8_0
+writes them (tests/support/gguf_files.py: by hand, its files equalled llama.cpp's own
+converter's tensor for tensor on tiny checkpoints of the three families): an F32 file runs as its HF folder, every parameter loaded equal; Q8_0
 and Q4_0 files load their blocks as int8 / int4 group-32 values and scales unchanged and run as
 the float run of the same dequantized weights; Q4_K / Q6_K are requantized as online
 quantization of their dequantized weights would be; the tokenizer comes from the metadata; and
