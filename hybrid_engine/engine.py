@@ -24,6 +24,7 @@ from .engine_step import EngineStep
 from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
 from .prompt import PreparedPrompt, encode_prompt
+from .checkpoint_formats.gguf import GgufFile, is_gguf
 from .quantization import quantized_layers
 from .prefix_caching import PrefixCaching
 from .request import Request
@@ -103,14 +104,15 @@ class LLMEngine:
         method = self.kernels.linear_method(compiled=config.enable_torch_compile,
                                             few_rows_copy=config.bf16_few_rows_copy)
         # Online quantization: a method per projection layer instead (None: float weights).
-        quantized = quantized_layers(config, method, self.kernels)
+        gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
+        quantized = quantized_layers(config, method, self.kernels, gguf_file)
         self.model, self.model_config = load_model(
             config.model, config.dtype, config.device, with_mtp=k > 0, method=method, methods=quantized,
-            progress=quantized.progress_bar if quantized else None)
+            progress=quantized.progress_bar if quantized else None, source=gguf_file)
         if quantized:
             quantized.report()
         release_freed_memory()
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = gguf_file.tokenizer() if gguf_file is not None else load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         prefix_on = config.enable_prefix_caching

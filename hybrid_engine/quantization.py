@@ -11,6 +11,9 @@ on its own (models/mlp.py Experts: one projection layer per expert and projectio
 loading). A projection whose input width the group size does not divide stays float too, and
 the engine's log says which.
 
+Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
+`CheckpointLayers` (compressed-tensors folders) and `GgufLayers` (GGUF files).
+
 The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
 where the cpu backend's kernels build (activations rounded to int8 in blocks of 32, as
 llama.cpp's quantized products round them; group sizes a multiple of 32), else its torch
@@ -142,16 +145,59 @@ class CheckpointLayers(QuantizedLayers):
         pass
 
 
-def quantized_layers(config, float_method: LinearMethod, kernels) -> QuantizedLayers | None:
+class GgufLayers:
+    """The same for a GGUF file (hybrid_engine/checkpoint_formats/gguf.py): a projection runs
+    quantized where the file stores it in a quantized type, in int8 if any of a merged layer's
+    parts is 8-bit (an int4 value is an int8 one at the same scale), GDN's b / a as its float
+    tail; a merged layer whose other parts mix float and quantized runs float (dequantized)."""
+
+    def __init__(self, file, float_method: LinearMethod, native: bool):
+        self.file, self.float_method, self.native = file, float_method, native
+        self.kept_float: list[str] = []
+
+    def __call__(self, name: str, layer) -> LinearMethod | None:
+        if not hasattr(layer, "shards"):
+            return None                                  # experts: float (quantized ones not read yet)
+        if name in FLOAT_LAYERS:
+            return self.float_method
+        projections = [base for base, _ in shard_names(layer, name)]
+        bits = {base: self.file.stored_bits(base) for base in projections}
+        float_shards = tuple(b.rpartition(".")[2] for b in projections if b.rpartition(".")[2] in GDN_FLOAT_SHARDS)
+        quantized = [bits[b] for b in projections if b.rpartition(".")[2] not in float_shards]
+        if not any(quantized):
+            return self.float_method
+        if not all(quantized):
+            self.kept_float.append(name)
+            return self.float_method
+        from .checkpoint_formats.gguf import GROUP, GgufBlocks
+        return QuantizedLinearMethod(max(quantized), GROUP, native=self.native, float_shards=float_shards,
+                                     checkpoint=GgufBlocks(max(quantized)), float_method=self.float_method)
+
+    def progress_bar(self, layers):
+        return layers
+
+    def report(self) -> None:
+        self.file.report()
+        if self.kept_float:
+            log.warning("%s: %d projection(s) run float, their parts stored partly float and partly quantized: %s",
+                        self.file.path, len(self.kept_float), ", ".join(self.kept_float[:5]))
+
+
+def quantized_layers(config, float_method: LinearMethod, kernels, gguf_file=None):
     """The per-layer methods of an engine whose config asks for quantization (EngineConfig) or
-    whose checkpoint is stored quantized; the native kernel's where its backend is the cpu one
-    and the kernels build. None: float weights."""
+    whose checkpoint is stored quantized (an HF folder whose quantization_config a format of
+    hybrid_engine/checkpoint_formats/ reads, or `gguf_file`: a GGUF file's GgufFile); the native
+    kernel's where its backend is the cpu one and the kernels build. None: float weights."""
     from .checkpoint_formats import stored_quantization
     from .kernels.backends import native_cpu_available
     from .models.loader import checkpoint_names
     scheme = parse_quantization(config.quantization, config.quantization_group_size)
-    stored = stored_quantization(config.model)
     native = kernels.name == "cpu" and native_cpu_available()
+    if gguf_file is not None and gguf_file.holds_quantized:
+        if scheme is not None:
+            raise ValueError(f"{config.model} is stored quantized already: leave quantization unset")
+        return GgufLayers(gguf_file, float_method, native)
+    stored = None if gguf_file is not None else stored_quantization(config.model)
     if stored is not None:
         if scheme is not None:
             raise ValueError(f"{config.model} is stored quantized already (int{stored.bits}, groups of "
@@ -160,3 +206,4 @@ def quantized_layers(config, float_method: LinearMethod, kernels) -> QuantizedLa
     if scheme is None:
         return None
     return QuantizedLayers(scheme, float_method, native)
+

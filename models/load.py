@@ -1,9 +1,12 @@
-"""Build a HybridForCausalLM from a local HF folder (config.json + safetensors)."""
+"""Build a HybridForCausalLM from a local HF folder (config.json + safetensors), or from another
+checkpoint source that gives the config and the weights under the same names (a GGUF file:
+hybrid_engine/checkpoint_formats/gguf.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -16,6 +19,15 @@ from .linear import Linear
 from .mlp import Experts
 from .loader import load_weights, resolve_dtype
 from .qwen3_5 import HybridForCausalLM
+
+
+class CheckpointSource(Protocol):
+    """A checkpoint other than an HF folder: its config, and its tensors by our names."""
+    config: ModelConfig
+
+    def load_weights(self, config: ModelConfig, expected: dict[str, tuple[int, ...]],
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """`expected`'s tensors (the MTP head's left out if the checkpoint has none)."""
 
 
 def checkpoint_shapes(model: HybridForCausalLM) -> dict[str, tuple[int, ...]]:
@@ -46,7 +58,8 @@ def _checkpoint_tensors(model: HybridForCausalLM) -> dict[str, tuple[tuple[int, 
 def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
                with_mtp: bool = False, method: LinearMethod | None = None,
                methods: Callable[[str, Linear], LinearMethod] | None = None,
-               progress: Callable | None = None) -> tuple[HybridForCausalLM, ModelConfig]:
+               progress: Callable | None = None,
+               source: CheckpointSource | None = None) -> tuple[HybridForCausalLM, ModelConfig]:
     """with_mtp: keep the checkpoint's MTP head (for speculative decoding). Its `mtp.*` tensors
     are read and checked either way (unless config.json's mtp_num_hidden_layers is 0: no head);
     without it they are dropped after the check, so no MTP weights stay resident and the model
@@ -55,10 +68,13 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     projection layer instead, where the choice is per layer (hybrid_engine/quantization.py), and
     of each MoE layer's experts (None: the stacked float weights).
     The loader hands each tensor to what takes it, then every layer processes its weights once
-    (`process_weights_after_loading`; progress: wraps the iterable of layers, a progress bar)."""
-    cfg = load_config(folder)
+    (`process_weights_after_loading`; progress: wraps the iterable of layers, a progress bar).
+    source: where the config and weights come from instead of `folder`'s config.json and
+    safetensors."""
+    cfg = source.config if source is not None else load_config(folder)
     if with_mtp and cfg.mtp_num_hidden_layers == 0:
-        raise ConfigError(f"{Path(folder) / 'config.json'} sets mtp_num_hidden_layers 0: the model has no MTP "
+        where = folder if source is not None else Path(folder) / "config.json"
+        raise ConfigError(f"{where} sets mtp_num_hidden_layers 0: the model has no MTP "
                           "head, so it cannot draft for speculative decoding")
     torch_dtype = resolve_dtype(dtype, cfg)
     # Built on the meta device: the loader's tensors are assigned, nothing is initialised twice.
@@ -72,7 +88,9 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
                 elif isinstance(module, Experts) and (expert_method := methods(name, module)) is not None:
                     module.use_method(expert_method)
     tensors = _checkpoint_tensors(model)
-    weights = load_weights(folder, cfg, {name: shape for name, (shape, _) in tensors.items()}, torch_dtype)
+    expected = {name: shape for name, (shape, _) in tensors.items()}
+    weights = (source.load_weights(cfg, expected, torch_dtype) if source is not None
+               else load_weights(folder, cfg, expected, torch_dtype))
     if not with_mtp or not any(name.startswith("mtp.") for name in weights):
         weights = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
         model.mtp = None

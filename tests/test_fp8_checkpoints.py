@@ -117,7 +117,7 @@ def test_fp8_checkpoint_runs_as_its_dequantized_weights_quantized(ckpt, tmp_path
     from hybrid_engine import engine as engine_module
     native = layers["mtp.layers.0.self_attn.qkv_proj"].method.native
     monkeypatch.setattr(engine_module, "quantized_layers",
-                        lambda config, float_method, kernels: SameProjectionsOnline(names, float_method, native))
+                        lambda config, float_method, kernels, gguf_file=None: SameProjectionsOnline(names, float_method, native))
     assert got == greedy_runs(mtp_engine(tmp_path / "float"))
 
 

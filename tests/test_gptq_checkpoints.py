@@ -105,7 +105,7 @@ def test_native_act_order_matches_its_reference(ckpt, tmp_path, monkeypatch):
     from hybrid_engine import engine as engine_module, quantization
     from hybrid_engine.checkpoint_formats import stored_quantization
     from hybrid_engine.models.loader import checkpoint_names
-    monkeypatch.setattr(engine_module, "quantized_layers", lambda config, float_method, kernels: (
+    monkeypatch.setattr(engine_module, "quantized_layers", lambda config, float_method, kernels, gguf_file=None: (
         quantization.CheckpointLayers(stored_quantization(config.model), checkpoint_names(config.model),
                                       float_method, native=False, int8_activations=True)))
     assert greedy_runs(mtp_engine(tmp_path / "gptq", "cpu")) == native

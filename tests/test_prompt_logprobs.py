@@ -62,6 +62,19 @@ def assert_matches(prompt_logprobs, prompt, ref, k):
             assert abs(value - row[token].item()) < TOLERANCE, (i, token, value, row[token].item())
 
 
+# Two runs of one prompt in other batches: the same values where every kernel gives a row the
+# same bits in any batch (the native levels), float32 rounding apart at level none (torch's
+# products sum in an order that depends on the rows).
+SAME_RUN = 1e-4
+
+
+def assert_same_prompt_logprobs(a, b):
+    assert len(a) == len(b) and a[0] is None and b[0] is None
+    for ea, eb in zip(a[1:], b[1:]):
+        assert ea.keys() == eb.keys()
+        assert max(abs(ea[t] - eb[t]) for t in ea) < SAME_RUN
+
+
 def count_scored_rows(llm) -> list[int]:
     """Wraps the runner's lm_head for prompt rows: the list gets the rows of each call."""
     runner, calls = llm.engine.step_pipeline.runner, []
@@ -103,7 +116,7 @@ def test_raw_distribution_whatever_the_sampling(dense):
     shaped = llm.generate(prompt, SamplingParams(temperature=0.3, top_k=5, top_p=0.5, repetition_penalty=1.8,
                                                  presence_penalty=1.0, seed=1, max_tokens=2, prompt_logprobs=4),
                           use_tqdm=False)[0]
-    assert shaped.prompt_logprobs == plain.prompt_logprobs
+    assert_same_prompt_logprobs(shaped.prompt_logprobs, plain.prompt_logprobs)
     off = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert off.prompt_logprobs is None
 
@@ -178,7 +191,8 @@ def test_n_samples_report_the_prompt_once(dense):
     assert_matches(out.prompt_logprobs, prompt, reference(hf64, prompt), 2)
     streamed = list(llm.generate_stream(prompt, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=4,
                                                                prompt_logprobs=2)))
-    assert all(o.prompt_logprobs == out.prompt_logprobs for o in streamed)
+    for o in streamed:
+        assert_same_prompt_logprobs(o.prompt_logprobs, out.prompt_logprobs)
     assert_no_leak(llm.engine)
 
 
@@ -207,7 +221,7 @@ def test_unchanged_by_mtp_speculation(tmp_path):
         assert len(b.prompt_logprobs) == len(a.prompt_logprobs)
         for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert ea.keys() == eb.keys()
-            assert max(abs(ea[t] - eb[t]) for t in ea) < 1e-5
+            assert max(abs(ea[t] - eb[t]) for t in ea) < SAME_RUN
     assert_no_leak(spec.engine)
 
 

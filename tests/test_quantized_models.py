@@ -111,7 +111,7 @@ def _int8_activation_reference(monkeypatch):
     kernel's steps (x rounded to int8 as it rounds it), everything else as before."""
     from hybrid_engine import engine as engine_module, quantization
 
-    def layers(config, float_method, kernels):
+    def layers(config, float_method, kernels, gguf_file=None):
         scheme = quantization.parse_quantization(config.quantization, config.quantization_group_size)
         return quantization.QuantizedLayers(scheme, float_method, native=False, int8_activations=True)
     monkeypatch.setattr(engine_module, "quantized_layers", layers)

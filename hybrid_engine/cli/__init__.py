@@ -80,7 +80,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, dtype_default: str | N
                          dtype_help: str = "weight dtype (default: auto: the config's, else float32)") -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="local HF checkpoint folder (default: the embedded model)")
+                   help="local HF checkpoint folder or GGUF file (default: the embedded model)")
     g.add_argument("--dtype", default=dtype_default, choices=["auto", "float32", "bfloat16", "float16"],
                    help=dtype_help)
     g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -128,8 +128,8 @@ def engine_arguments(args, num_speculative_tokens: int = 0, dtype: str | None = 
     every command's engine is configured from its flags (add_engine_arguments)."""
     import torch
 
-    if args.model is not None and not Path(args.model).is_dir():
-        raise CLIError(f"model folder not found: {args.model}")
+    if args.model is not None and not Path(args.model).is_dir() and not Path(args.model).is_file():
+        raise CLIError(f"model folder not found: {args.model} (nor a GGUF file)")
     try:
         device = torch.device(args.device)
     except RuntimeError:
