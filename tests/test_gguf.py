@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import LLM, LLMEngine, SamplingParams
 from hybrid_engine.cli import main as cli_main
 from hybrid_engine.quantization import QuantizedLayers
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, unpack
@@ -20,28 +20,14 @@ from hybrid_engine.models.config import CheckpointError
 
 from checkpoints import make_hf_model, save_checkpoint
 from gguf_files import write_gguf
+from quantized_checkpoints import greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
 
 
 def _engine(model, backend="torch", **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, max_num_seqs=4,
-                                  max_num_batched_tokens=24, kernel_backend=backend,
-                                  speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kwargs))
-
-
-def _run(engine: LLMEngine) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [(done[r].token_ids, [lp[t] for lp, t in zip(done[r].logprobs, done[r].token_ids)]) for r in sorted(done)]
+    return mtp_engine(model, backend, **kwargs)
 
 
 def _assert_same_run(got: list, want: list, tol: float = 1e-4) -> None:
@@ -65,7 +51,7 @@ def test_f32_file_runs_as_its_hf_folder(ckpt, tmp_path):
     assert ours.keys() == theirs.keys() and any(name.startswith("mtp.") for name in ours)
     for name, p in ours.items():      # the +1 norms and -exp(A_log) round in float32 once each way
         torch.testing.assert_close(p, theirs[name], atol=1e-6, rtol=1e-6, msg=name)
-    _assert_same_run(_run(from_gguf), _run(from_folder))
+    _assert_same_run(greedy_runs(from_gguf), greedy_runs(from_folder))
 
 
 @pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4)])
@@ -81,7 +67,7 @@ def test_quantized_file_runs_as_its_dequantized_weights(ckpt, tmp_path, qtype, b
         assert isinstance(method, QuantizedLinearMethod) and (method.bits, method.group_size) == (bits, 32), name
     assert layers["layers.0.linear_attn.in_proj"].method.float_shards == ("in_proj_b", "in_proj_a")
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
-    _assert_same_run(_run(engine), _run(_engine(reference)))
+    _assert_same_run(greedy_runs(engine), greedy_runs(_engine(reference)))
 
 
 @pytest.mark.parametrize("qtype,method", [("Q8_0", "int8"), ("Q4_0", "int4")])
@@ -93,14 +79,14 @@ def test_quantized_file_runs_as_online_quantization_on_the_default_backend(ckpt,
     monkeypatch.setattr(QuantizedLayers, "_experts", lambda self, name, experts: None)
     path = write_gguf(ckpt, tmp_path / "q.gguf", qtype)
     reference = write_gguf(ckpt, tmp_path / "deq.gguf", qtype, dequantized=True)
-    assert _run(_engine(path, "auto")) == _run(_engine(reference, "auto", quantization=method))
+    assert greedy_runs(_engine(path, "auto")) == greedy_runs(_engine(reference, "auto", quantization=method))
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 def test_16_bit_float_files_load_as_float(small, tmp_path, qtype):
     engine = _engine(write_gguf(small, tmp_path / "h.gguf", qtype))
     assert not any(isinstance(m.method, QuantizedLinearMethod) for m in engine.model.modules() if hasattr(m, "method"))
-    assert _run(engine) == _run(_engine(write_gguf(small, tmp_path / "d.gguf", qtype, dequantized=True)))
+    assert greedy_runs(engine) == greedy_runs(_engine(write_gguf(small, tmp_path / "d.gguf", qtype, dequantized=True)))
 
 
 def test_blocks_load_unchanged(tmp_path):
@@ -127,7 +113,7 @@ def test_narrow_value_heads_load_out_proj_float(tmp_path):
     layers = dict(engine.model.named_modules())
     assert not isinstance(layers["layers.0.linear_attn.out_proj"].method, QuantizedLinearMethod)
     assert isinstance(layers["layers.0.linear_attn.in_proj"].method, QuantizedLinearMethod)
-    _assert_same_run(_run(engine), _run(_engine(write_gguf(ckpt, tmp_path / "d.gguf", "Q8_0", dequantized=True))))
+    _assert_same_run(greedy_runs(engine), greedy_runs(_engine(write_gguf(ckpt, tmp_path / "d.gguf", "Q8_0", dequantized=True))))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +128,7 @@ def test_k_quants_are_requantized_as_online_quantization_would(wide_ckpt, tmp_pa
     engine = _engine(write_gguf(wide_ckpt, tmp_path / "k.gguf", qtype))
     assert engine.model.lm_head.method.bits == (4 if method == "int4" else 8)
     online = _engine(write_gguf(wide_ckpt, tmp_path / "d.gguf", qtype, dequantized=True), quantization=method)
-    assert _run(engine) == _run(online)
+    assert greedy_runs(engine) == greedy_runs(online)
 
 
 def test_a_merged_layer_of_mixed_bits_runs_int8(wide_ckpt, tmp_path):
@@ -151,7 +137,7 @@ def test_a_merged_layer_of_mixed_bits_runs_int8(wide_ckpt, tmp_path):
     layers = dict(engine.model.named_modules())
     assert layers["layers.3.self_attn.qkv_proj"].method.bits == 8
     assert layers["layers.0.mlp.gate_up_proj"].method.bits == 4
-    assert all(len(tokens) == 12 for tokens, _ in _run(engine))
+    assert all(len(tokens) == 12 for tokens, _ in greedy_runs(engine))
 
 
 def test_tokenizer_from_the_metadata(tmp_path):
