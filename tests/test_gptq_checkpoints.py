@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_engine import EngineConfig, LLMEngine
-from hybrid_engine.checkpoint_formats import gptq
+from hybrid_engine.checkpoint_formats.int32_fields import pack_fields
 from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, quantize
 from hybrid_engine.models.config import CheckpointError
@@ -57,9 +57,9 @@ def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group
         g_idx = torch.empty(cols, dtype=torch.int32).index_copy_(
             0, order, (torch.arange(cols) // group).to(torch.int32))
         base = name.removesuffix(".weight")
-        as_gptq[f"{base}.qweight"] = gptq.pack_int32((values.to(torch.int64) + middle).t(), bits, dim=0)
+        as_gptq[f"{base}.qweight"] = pack_fields((values.to(torch.int64) + middle).t(), bits, dim=0)
         zeros = torch.full((cols // group, out), middle - (1 if version == "gptq" else 0))
-        as_gptq[f"{base}.qzeros"] = gptq.pack_int32(zeros, bits, dim=1)
+        as_gptq[f"{base}.qzeros"] = pack_fields(zeros, bits, dim=1)
         as_gptq[f"{base}.scales"] = qw.scales.t().contiguous()
         as_gptq[f"{base}.g_idx"] = g_idx
         scales = qw.scales.float().repeat_interleave(group, 1)

@@ -25,6 +25,8 @@ import torch
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
 from hybrid_engine.models.config import CheckpointError
 
+from .int32_fields import pack_fields, unpack_fields
+
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
@@ -59,20 +61,12 @@ class PackQuantized:
 
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 values [out, in] -> weight_packed int32 [out, ceil(in * bits / 32)]."""
-    per_int = 32 // bits
-    shifted = (values.to(torch.int64) + (1 << (bits - 1)))
-    pad = -shifted.shape[1] % per_int
-    shifted = torch.nn.functional.pad(shifted, (0, pad)).reshape(shifted.shape[0], -1, per_int)
-    packed = sum(shifted[..., i] << (bits * i) for i in range(per_int))
-    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+    return pack_fields(values.to(torch.int64) + (1 << (bits - 1)), bits, dim=1)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """weight_packed int32 -> the int8 values [out, in_features]."""
-    per_int, mask = 32 // bits, (1 << bits) - 1
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    fields = torch.stack([(words >> (bits * i)) & mask for i in range(per_int)], dim=-1)
-    return (fields.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (bits - 1))).to(torch.int8)
+    return (unpack_fields(packed, bits, dim=1)[:, :in_features] - (1 << (bits - 1))).to(torch.int8)
 
 
 def read_config(quant: dict, where: str) -> PackQuantized:

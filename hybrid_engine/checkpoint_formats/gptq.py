@@ -23,28 +23,9 @@ import torch
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
 from hybrid_engine.models.config import CheckpointError
 
+from .int32_fields import unpack_fields
+
 QUANT_METHOD = "gptq"
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words -> their unsigned fields (int64), 32 / bits per word along `dim`, the first in
-    the lowest bits."""
-    per_int, mask = 32 // bits, (1 << bits) - 1
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    fields = torch.stack([(words >> (bits * i)) & mask for i in range(per_int)], dim=dim + 1)
-    shape = list(packed.shape)
-    shape[dim] *= per_int
-    return fields.reshape(shape)
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned fields -> int32 words along `dim` (the inverse of unpack_int32; tests write
-    checkpoints with it)."""
-    per_int = 32 // bits
-    moved = values.to(torch.int64).movedim(dim, -1)
-    grouped = moved.reshape(*moved.shape[:-1], -1, per_int)
-    words = sum(grouped[..., i] << (bits * i) for i in range(per_int))
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 @dataclass(frozen=True)
@@ -65,11 +46,11 @@ class Gptq:
             if tensors[suffix].dtype != torch.int32:
                 raise CheckpointError(f"tensor {name}.{suffix} is {tensors[suffix].dtype}, not int32")
         middle = 1 << (self.bits - 1)
-        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1) + self.zero_offset
+        zeros = unpack_fields(tensors["qzeros"], self.bits, dim=1) + self.zero_offset
         if not bool((zeros == middle).all()):
             raise CheckpointError(f"tensor {name}.qzeros holds zero points other than {middle}: asymmetric GPTQ "
                                   "is not supported yet")
-        values = (unpack_int32(tensors["qweight"], self.bits, dim=0) - middle).t()          # [out, in]
+        values = (unpack_fields(tensors["qweight"], self.bits, dim=0) - middle).t()          # [out, in]
         scales = tensors["scales"]
         if not scales.dtype.is_floating_point:
             raise CheckpointError(f"tensor {name}.scales is {scales.dtype}, not floating point")

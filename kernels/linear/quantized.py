@@ -23,7 +23,6 @@ from the dequantized values, with x rounded the same way (int8_activations) or k
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Protocol
 
 import torch
@@ -328,9 +327,6 @@ class QuantizedLinearMethod(LinearMethod):
         holder.weight = nn.Parameter(tail.clone(), requires_grad=False)
         self.float_method.process_weights_after_loading(holder)
         return self.float_method.product(holder)
-
-    def product(self, layer: nn.Module):
-        return functools.partial(self.apply, layer)
 
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.float_tail is not None:
