@@ -7,17 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import EngineConfig, LLMEngine
 from hybrid_engine.kernels import make_backend
 from hybrid_engine.kernels.backends import native_cpu_available
 
+from engine_checks import run_alone_then_together
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# Two requests share a prefix of 3 blocks (a hit for the second, run after the first), one long
-# prompt is prefilled in chunks (max_num_batched_tokens), and a third prompt is short.
-SHARED = [(7 * i + 3) % 200 + 1 for i in range(12)]
-PROMPTS = [SHARED + [5, 6], SHARED + [9, 1, 4], [(5 * i) % 190 + 2 for i in range(37)], [11, 12]]
 
 needs_native = pytest.mark.skipif(not native_cpu_available(), reason="no native kernels at this CPU level")
 
@@ -33,26 +30,6 @@ def _engine(ckpt: str, backend: str) -> LLMEngine:
                                   speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
 
 
-def _run(engine: LLMEngine) -> list:
-    """Each prompt after the one before has finished (so the shared prefix is a cache hit), then
-    all of them at once: -> (token_ids, logprobs, cached tokens) per request."""
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
-    results = {}
-
-    def drain():
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"alone{i}")
-        drain()
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"together{i}")
-    drain()
-    return [(results[rid].token_ids, [lp[t] for lp, t in zip(results[rid].logprobs, results[rid].token_ids)],
-             results[rid].num_cached_tokens) for rid in sorted(results)]
 
 
 @needs_native
@@ -62,7 +39,7 @@ def test_cpu_backend_matches_the_torch_reference(ckpt):
     # prefill GDN runs through the decode kernel (the torch engine does neither).
     assert native.builder.keyless_query_lens == frozenset({1, 2, 3}) and native.builder.recurrent_prefill
     assert not reference.builder.keyless_query_lens and not reference.builder.recurrent_prefill
-    want, got = _run(reference), _run(native)
+    want, got = run_alone_then_together(reference), run_alone_then_together(native)
     assert any(cached for _, _, cached in want), "the shared prefix never hit"
     for (w_ids, w_lp, w_cached), (g_ids, g_lp, g_cached) in zip(want, got):
         assert g_ids == w_ids and g_cached == w_cached
@@ -86,7 +63,7 @@ def test_the_torch_backend_calls_no_native_code(ckpt, monkeypatch):
         return original(op, *args, **kwargs)
 
     monkeypatch.setattr(torch._ops.OpOverload, "__call__", record)
-    _run(engine)
+    run_alone_then_together(engine)
     assert calls == []
 
 

@@ -18,11 +18,10 @@ from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
 
+from engine_checks import run_alone_then_together
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-SHARED = [(7 * i + 3) % 200 + 1 for i in range(12)]
-PROMPTS = [SHARED + [5, 6], SHARED + [9, 1, 4], [(5 * i) % 190 + 2 for i in range(37)], [11, 12]]
 # the checkpoint tensors online quantization quantizes (hybrid_engine/quantization.py): every
 # projection (the experts' too) but GDN's b / a (in_proj_ba), mtp.fc and the router
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj",
@@ -62,25 +61,6 @@ def _engine(ckpt, backend: str, quantization: str | None) -> LLMEngine:
                                   speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
 
 
-def _run(engine: LLMEngine, max_tokens: int = 10) -> list:
-    """Each prompt alone (the shared prefix a hit for the second), then all at once."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    results = {}
-
-    def drain():
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"alone{i}")
-        drain()
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, params, request_id=f"together{i}")
-    drain()
-    return [(results[rid].token_ids, [lp[t] for lp, t in zip(results[rid].logprobs, results[rid].token_ids)],
-             results[rid].num_cached_tokens) for rid in sorted(results)]
 
 
 def _assert_same(want, got, atol):
@@ -103,7 +83,8 @@ def test_quantized_model_runs_its_dequantized_weights(ckpt, tmp_path, method, bi
     if "layers.0.mlp.experts" in layers:
         experts = layers["layers.0.mlp.experts"]
         assert experts.gate_up_proj.is_meta and isinstance(experts.down_layers[0].method, QuantizedLinearMethod)
-    _assert_same(_run(float_run, max_tokens=32), _run(quantized, max_tokens=32), atol=1e-4)
+    _assert_same(run_alone_then_together(float_run, max_tokens=32), run_alone_then_together(quantized, max_tokens=32),
+                 atol=1e-4)
 
 
 def _int8_activation_reference(monkeypatch):
@@ -129,7 +110,7 @@ def test_native_quantized_kernel_matches_its_torch_reference(ckpt, method, monke
     reference = _engine(ckpt, "cpu", method)
     assert native.model.lm_head.method.native and not reference.model.lm_head.method.native
     assert reference.model.lm_head.method.int8_activations
-    _assert_same(_run(reference), _run(native), atol=0)
+    _assert_same(run_alone_then_together(reference), run_alone_then_together(native), atol=0)
 
 
 @needs_native
@@ -142,7 +123,7 @@ def test_native_quantized_mtp_is_lossless(ckpt, method):
         engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=4,
                                         max_num_batched_tokens=24, quantization=method,
                                         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None))
-        return [ids for ids, _, _ in _run(engine, max_tokens=16)]
+        return [ids for ids, _, _ in run_alone_then_together(engine, max_tokens=16)]
     assert run(2) == run(0)
 
 

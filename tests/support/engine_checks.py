@@ -48,3 +48,34 @@ def greedy_tokens(folder: str, dtype: str, **config) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm = LLM(model=folder, dtype=dtype, **config)
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+# Two requests share a prefix of 3 blocks (of 4 tokens: a hit for the second, run after the
+# first), one long prompt is prefilled in chunks (under a small max_num_batched_tokens), and a
+# fourth prompt is short.
+SHARED_PREFIX = [(7 * i + 3) % 200 + 1 for i in range(12)]
+PREFIX_PROMPTS = [SHARED_PREFIX + [5, 6], SHARED_PREFIX + [9, 1, 4], [(5 * i) % 190 + 2 for i in range(37)], [11, 12]]
+
+
+def run_alone_then_together(engine, prompts=PREFIX_PROMPTS, max_tokens: int = 10) -> list:
+    """Each prompt after the one before has finished (so a shared prefix is a cache hit), then all
+    of them at once, greedy: -> (token_ids, their logprobs, cached tokens) per request."""
+    from hybrid_engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    results = {}
+
+    def drain():
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"alone{i}")
+        drain()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"together{i}")
+    drain()
+    return [(results[rid].token_ids, [lp[t] for lp, t in zip(results[rid].logprobs, results[rid].token_ids)],
+             results[rid].num_cached_tokens) for rid in sorted(results)]
