@@ -5,7 +5,8 @@ pack-quantized one (hybrid_engine/checkpoint_formats/compressed_tensors.py), whi
 The projections quantized are the ones online quantization quantizes (hybrid_engine/
 quantization.py: the same rule, the same values), with two exceptions: a tied lm_head stays
 float with its embedding table, as in community int4 checkpoints (its own quantized copy would
-be a second table on disk), and MoE experts stay float (quantized experts are not read from
+be a second table on disk), an untied one stays float under int4 (online int4 holds it at int8;
+the file has one bit width), and MoE experts stay float (quantized experts are not read from
 checkpoints yet; online quantization quantizes them). Every other tensor is copied as stored; each output file holds what
 its input file held, and the index (if any) follows. The `ignore` list names every projection
 left float (GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router, gates and experts).
@@ -44,7 +45,9 @@ def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
         if not isinstance(layer, Linear) or (name == "lm_head" and cfg.tie_word_embeddings):
             continue
         method = policy(name, layer)
-        if isinstance(method, QuantizedLinearMethod):
+        # one config group, one bit width: an untied lm_head that online int4 holds at int8
+        # stays float here (listed in `ignore`)
+        if isinstance(method, QuantizedLinearMethod) and method.bits == scheme.bits:
             names.update(f"{base}.weight" for base, _ in shard_names(layer, name)
                          if base.rpartition(".")[2] not in method.float_shards)
     # Qwen3-Next stores in_proj_qkv and in_proj_z grouped as one in_proj_qkvz (models/loader.py):

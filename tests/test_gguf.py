@@ -14,6 +14,7 @@ import torch
 
 from hybrid_engine import LLM, LLMEngine, SamplingParams
 from hybrid_engine.cli import main as cli_main
+from hybrid_engine import quantization
 from hybrid_engine.quantization import QuantizedLayers
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, unpack
 from hybrid_engine.models.config import CheckpointError
@@ -73,10 +74,13 @@ def test_quantized_file_runs_as_its_dequantized_weights(ckpt, tmp_path, qtype, b
 @pytest.mark.parametrize("qtype,method", [("Q8_0", "int8"), ("Q4_0", "int4")])
 def test_quantized_file_runs_as_online_quantization_on_the_default_backend(ckpt, tmp_path, monkeypatch, qtype,
                                                                            method):
-    """llama.cpp's Q8_0 / Q4_0 rules are online quantization's: its int8 / int4 of the dequantized
-    weights are the file's blocks again, so the native kernels (x rounded to int8) give the same bits.
-    (MoE experts: a GGUF file's load float, not read quantized yet; online quantization likewise here.)"""
+    """Online quantization of the dequantized weights gives the file's blocks again (int8: llama.cpp's
+    Q8_0 rule; int4: its search finds the Q4_0 scale, whose error there is 0), so the native kernels
+    (x rounded to int8) give the same bits. (MoE experts: a GGUF file's load float, not read
+    quantized yet; online quantization likewise here. The file's output table is Q4_0 too: online
+    int4's int8 lm_head is set to int4 here.)"""
     monkeypatch.setattr(QuantizedLayers, "_experts", lambda self, name, experts: None)
+    monkeypatch.setattr(quantization, "LM_HEAD_MIN_BITS", 4)
     path = write_gguf(ckpt, tmp_path / "q.gguf", qtype)
     reference = write_gguf(ckpt, tmp_path / "deq.gguf", qtype, dequantized=True)
     assert greedy_runs(_engine(path, "auto")) == greedy_runs(_engine(reference, "auto", quantization=method))
@@ -124,9 +128,10 @@ def wide_ckpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("qtype,method", [("Q4_K", "int4"), ("Q6_K", "int8")])
-def test_k_quants_are_requantized_as_online_quantization_would(wide_ckpt, tmp_path, qtype, method):
+def test_k_quants_are_requantized_as_online_quantization_would(wide_ckpt, tmp_path, monkeypatch, qtype, method):
     engine = _engine(write_gguf(wide_ckpt, tmp_path / "k.gguf", qtype))
     assert engine.model.lm_head.method.bits == (4 if method == "int4" else 8)
+    monkeypatch.setattr(quantization, "LM_HEAD_MIN_BITS", 4)       # as the file: its output table is Q4_K
     online = _engine(write_gguf(wide_ckpt, tmp_path / "d.gguf", qtype, dequantized=True), quantization=method)
     assert greedy_runs(engine) == greedy_runs(online)
 

@@ -17,6 +17,7 @@ from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32, unpa
 from hybrid_engine.cli import main as cli_main
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models.config import CheckpointError
+from hybrid_engine import quantization
 from hybrid_engine.quantization import Quantization, QuantizedLayers
 from hybrid_engine.quantize_checkpoint import write_quantized
 
@@ -44,12 +45,16 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
     stored = mtp_engine(dst, backend)
     layers = dict(stored.model.named_modules())
     mlp = "layers.0.mlp.shared_expert.gate_up_proj" if "layers.0.mlp.experts" in layers else "layers.0.mlp.gate_up_proj"
-    for name in ("layers.0.linear_attn.in_proj", mlp, "mtp.layers.0.self_attn.qkv_proj", "lm_head"):
+    for name in ("layers.0.linear_attn.in_proj", mlp, "mtp.layers.0.self_attn.qkv_proj"):
         assert isinstance(layers[name].method, QuantizedLinearMethod), name
     assert layers["layers.0.linear_attn.in_proj"].method.float_shards == ("in_proj_b", "in_proj_a")
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
     # the written checkpoint keeps MoE experts float (not read quantized yet): online likewise
     monkeypatch.setattr(QuantizedLayers, "_experts", lambda self, name, experts: None)
+    # one bit width a file: the lm_head, int8 under online int4, is written float under int4
+    assert isinstance(layers["lm_head"].method, QuantizedLinearMethod) == (method == "int8")
+    if method == "int4":
+        monkeypatch.setattr(quantization, "FLOAT_LAYERS", quantization.FLOAT_LAYERS + ("lm_head",))
     online = mtp_engine(ckpt, backend, quantization=method, quantization_group_size=group)
     assert greedy_runs(stored) == greedy_runs(online)
 
@@ -57,7 +62,6 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
 def test_tied_lm_head_stays_float(tmp_path, monkeypatch):
     """The default model ties lm_head to its embedding: the written checkpoint keeps that table
     float, and otherwise runs as online quantization with lm_head left float."""
-    from hybrid_engine import quantization
     from hybrid_engine.default_model import default_model_path
     dst = tmp_path / "q"
     done = write_quantized(default_model_path(), dst, Quantization("int4", 32))

@@ -9,8 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hybrid_engine.kernels.linear.quantized import (QuantizedLinearMethod, dequantize, pack, quant_linear,
-                                                    quant_linear_reference, quantize, unpack)
+from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, QuantizedLinearMethod, _int4_search_torch,
+                                                    dequantize, pack, quant_linear, quant_linear_reference,
+                                                    quantize, unpack)
 from hybrid_engine.kernels.native.isa import at_least
 from hybrid_engine.kernels.native.ops import native_ops
 from hybrid_engine.models.linear import Linear
@@ -18,20 +19,57 @@ from hybrid_engine.models.linear import Linear
 needs_native = pytest.mark.skipif(not at_least("avx2") or native_ops() is None, reason="level none: no native kernel")
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_follows_the_q8_0_and_q4_0_rules(bits):
+def test_int8_follows_the_q8_0_rule():
     w = torch.tensor([[0.5, -1.0, 0.25, 0.0, 0.1, -0.3, 0.7, 0.2]])
-    qw = quantize(w, bits, 4)
-    extreme = torch.tensor([-1.0, 0.7])                # each group's value of largest magnitude
-    if bits == 8:
-        assert torch.equal(qw.scales.float(), (extreme.abs() / 127).half().float()[None])
-        assert qw.values[0, 1] == -127 and qw.values[0, 6] == 127
-    else:
-        assert torch.equal(qw.scales.float(), (extreme / -8).half().float()[None])
-        assert qw.values[0, 1] == -8 and qw.values[0, 6] == -8
+    qw = quantize(w, 8, 4)
+    assert torch.equal(qw.scales.float(), (torch.tensor([1.0, 0.7]) / 127).half().float()[None])
+    assert qw.values[0, 1] == -127 and qw.values[0, 6] == 127
     # every value is within half a step of its scale
     err = (dequantize(qw) - w).abs().reshape(2, 4)
     assert (err <= qw.scales.float().reshape(2, 1).abs() / 2 + 1e-6).all()
+
+
+def _group_errors(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Squared error of each group of w [N, K] at the given int4 scales [N, G] (float16)."""
+    g = w.reshape(*scales.shape, -1)
+    s = scales.float()[..., None]
+    inverse = torch.where(s != 0, 1 / s, torch.zeros_like(s))
+    return (g.double() - (torch.round(g * inverse).clamp(-8, 7) * s).double()).square().sum(-1)
+
+
+@pytest.mark.parametrize("group", [8, 32])
+def test_int4_scale_is_the_best_of_its_candidates(group):
+    """Each group's int4 scale is, among max / d for the 21 divisors d around -8 (llama.cpp's
+    Q4_0 rule at d = -8), the one of least squared error: never worse than Q4_0's, better on
+    most groups of Gaussian weights."""
+    g = torch.Generator().manual_seed(group)
+    w = torch.randn(64, 4 * group, generator=g) * torch.rand(64, 1, generator=g)
+    qw = quantize(w, 4, group)
+    groups = w.reshape(64, 4, group)
+    extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    candidates = torch.stack([_group_errors(w, (extreme / d).half()) for d in INT4_DIVISORS])
+    chosen = _group_errors(w, qw.scales)
+    assert torch.equal(chosen, candidates.min(0).values)
+    q4_0 = candidates[INT4_DIVISORS.index(-8.0)]
+    assert (chosen <= q4_0).all() and (chosen < q4_0).float().mean() > 0.5
+    assert chosen.sum() < 0.95 * q4_0.sum()
+    # the codes are those of the chosen scales, within half a step of each value or clamped
+    assert torch.equal(qw.values.reshape(64, 4, group).float(),
+                       torch.round(groups / qw.scales.float()[..., None]).clamp(-8, 7))
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(group=st.sampled_from([8, 32, 128]), rows=st.integers(1, 24), groups=st.integers(1, 3),
+       seed=st.integers(0, 2**16), zeros=st.booleans())
+def test_native_int4_search_is_the_torch_one(group, rows, groups, seed, zeros):
+    """quantize_int4.cpp chooses what `_int4_search_torch` chooses (all-zero groups included)."""
+    w = torch.randn(rows, group * groups, generator=torch.Generator().manual_seed(seed))
+    if zeros:
+        w[0, :group] = 0
+    codes, scales = native_ops().quantize_int4.default(w, group)
+    want_codes, want_scales = _int4_search_torch(w, group)
+    assert torch.equal(scales, want_scales) and torch.equal(codes, want_codes)
 
 
 @settings(max_examples=60, deadline=None)
@@ -126,6 +164,26 @@ def test_method_keeps_float_shards_float(native, bits):
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
     # the float rows are the loaded ones, exactly
     assert torch.equal(layer(x)[:, 64:], x @ w[64:].t())
+
+
+@needs_native
+def test_cpu_float_tail_is_blocked_and_row_invariant():
+    """The cpu backend runs a bf16 float tail (a few KB: oneDNN's size) in the blocked kernel,
+    and a row's tail values are the same bits whether it is alone or in a batch of 5 (MTP
+    verify's rows against decode's one)."""
+    from hybrid_engine.kernels.linear.cpu import BlockedProjection, CpuLinearMethod, WideningProjection
+    g = torch.Generator().manual_seed(2)
+    shards = {"in_proj_qkv": 64, "in_proj_z": 32, "in_proj_b": 16, "in_proj_a": 16}
+    w = torch.randn(128, 64, generator=g).bfloat16()
+    method = QuantizedLinearMethod(4, 32, native=True, float_shards=("in_proj_b", "in_proj_a"),
+                                   float_method=CpuLinearMethod())
+    layer = _layer(w, method, shards)
+    assert isinstance(layer.tail_product, (BlockedProjection, WideningProjection))
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    together = layer(x)[:, 96:]
+    for i in range(5):
+        assert torch.equal(layer(x[i:i + 1])[0, 96:], together[i])
+    torch.testing.assert_close(together.float(), x.float() @ w[96:].float().t(), rtol=2e-2, atol=2e-2)
 
 
 def test_method_refuses_float_shards_that_are_not_the_last():

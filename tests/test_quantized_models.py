@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
+from hybrid_engine.quantization import LM_HEAD_MIN_BITS
 
 from engine_checks import run_alone_then_together
 from spec_models import make_spec_checkpoint
@@ -45,7 +46,9 @@ def dequantized_checkpoint(src: Path, dst: Path, bits: int, group: int) -> Path:
     tensors = load_file(str(src / "model.safetensors"))
     for name, t in tensors.items():
         if _quantized_by_online_quantization(name):
-            tensors[name] = dequantize(quantize(t, bits, group)).to(t.dtype)
+            # the lm_head at 8 bits under int4 (hybrid_engine/quantization.py)
+            at = max(bits, LM_HEAD_MIN_BITS) if name == "lm_head.weight" else bits
+            tensors[name] = dequantize(quantize(t, at, group)).to(t.dtype)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -78,7 +81,7 @@ def test_quantized_model_runs_its_dequantized_weights(ckpt, tmp_path, method, bi
     assert isinstance(layers["layers.0.linear_attn.in_proj"].method, QuantizedLinearMethod)
     assert layers["layers.0.linear_attn.in_proj"].float_tail is not None       # b, a stay float
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
-    assert isinstance(layers["lm_head"].method, QuantizedLinearMethod)
+    assert isinstance(layers["lm_head"].method, QuantizedLinearMethod) and layers["lm_head"].method.bits == 8
     assert isinstance(layers["mtp.layers.0.self_attn.qkv_proj"].method, QuantizedLinearMethod)
     if "layers.0.mlp.experts" in layers:
         experts = layers["layers.0.mlp.experts"]

@@ -8,7 +8,8 @@ benchmarks/RESULTS.md.
 Layouts, by what the process's level allows (kernels/native/isa.py):
 
 - Plain: the weight as loaded: float32 weights the native kernel cannot take and, where oneDNN
-  does not pack them, bf16 weights under BLOCKED_MIN_BYTES and float16 ones. Every blockable
+  does not pack them, bf16 weights under BLOCKED_MIN_BYTES (a quantized layer's float tail
+  excepted: `CpuLinearMethod.tail_method`) and float16 ones. Every blockable
   float32 weight is blocked, small ones too, on every vendor's CPU: on other vendors' CPUs MKL
   runs generic code, slower than the native kernel for small shapes; on Intel's, where MKL's
   GEMV is tuned, a small weight's product is over in microseconds either way, but an MLP whose
@@ -177,14 +178,18 @@ def fused_swiglu(x: torch.Tensor, gate_up: Projection, down: Projection) -> torc
     return torch.ops.hybrid_engine_cpu.mlp_blocked.default(x, gu.blocked, d.blocked)
 
 
-def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: bool = True) -> Projection:
+def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: bool = True,
+                      blocked: bool = False) -> Projection:
     """The layout for a [out, in] weight (see the module docstring). onednn=False: weights
     oneDNN would pack stay plain (compiled steps pack their own); few_rows_copy=False: no
-    blocked bf16 copy beside a packed or plain weight."""
+    blocked bf16 copy beside a packed or plain weight; blocked=True: a bf16 weight the kernel
+    takes is blocked whatever its size and whatever oneDNN would do (`CpuLinearMethod.tail_method`)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.is_meta:
         return PlainProjection(weight)
     if weight.dtype == torch.float32:
         return BlockedProjection(weight) if can_block(weight, padded=True) else PlainProjection(weight)
+    if blocked and weight.dtype == torch.bfloat16 and can_block(weight, padded=True):
+        return BlockedProjection(weight) if at_least("avx512_bf16") else WideningProjection(weight)
     small = weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES
     blockable = can_block(weight, padded=True) and not small
     if not onednn_packs(weight.dtype):
@@ -204,8 +209,8 @@ class CpuLinearMethod(LinearMethod):
     few_rows_copy: as `choose_projection` takes them (compiled steps: onednn=False, inductor
     packs its own)."""
 
-    def __init__(self, onednn: bool = True, few_rows_copy: bool = True):
-        self.onednn, self.few_rows_copy = onednn, few_rows_copy
+    def __init__(self, onednn: bool = True, few_rows_copy: bool = True, blocked: bool = False):
+        self.onednn, self.few_rows_copy, self.blocked = onednn, few_rows_copy, blocked
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        dtype: torch.dtype | None = None) -> None:
@@ -214,7 +219,7 @@ class CpuLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
-        layout = choose_projection(weight, self.onednn, self.few_rows_copy)
+        layout = choose_projection(weight, self.onednn, self.few_rows_copy, self.blocked)
         layer.layout = None if isinstance(layout, PlainProjection) else layout
         if layer.layout is not None:
             layer.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
@@ -241,5 +246,14 @@ class CpuLinearMethod(LinearMethod):
     def holds_weight_elsewhere(self, layer: nn.Module) -> bool:
         return layer.layout is not None and layer.layout.replaces_weight
 
+    def tail_method(self) -> "CpuLinearMethod":
+        """A quantized layer's float tail (GDN's in_proj_b / in_proj_a: 2 x 16 rows at 0.8B dims)
+        in the blocked kernel at every size: alone it is small enough for oneDNN, whose call
+        cost dwarfs such a product (tens of microseconds a call, 18 calls a 0.8B decode step),
+        and one kernel for every row count gives a row the same bits in any batch (MTP's
+        lossless verify)."""
+        return CpuLinearMethod(self.onednn, self.few_rows_copy, blocked=True)
+
     def __repr__(self) -> str:
-        return f"CpuLinearMethod(onednn={self.onednn}, few_rows_copy={self.few_rows_copy})"
+        blocked = ", blocked=True" if self.blocked else ""
+        return f"CpuLinearMethod(onednn={self.onednn}, few_rows_copy={self.few_rows_copy}{blocked})"

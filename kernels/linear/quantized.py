@@ -3,11 +3,15 @@ output row and group, W[n, k] = q[n, k] * scale[n, k // group]. The torch refere
 native kernel (quant_linear.cpp) of the product, and the linear method that holds a layer's
 weights this way (`QuantizedLinearMethod`).
 
-Quantizing (`quantize`) follows llama.cpp's Q8_0 and Q4_0 rules, so accuracy compares like for
-like: int8 scale = max|w| / 127 and q = round(w / scale) in [-127, 127]; int4 scale = m / -8 for
-the group's value m of largest magnitude and q = round(w / scale) clamped to [-8, 7] (the extreme
-value lands on -8, the code int4 otherwise leaves unused). The scale is rounded to float16 first
-and q computed from the rounded scale.
+Quantizing (`quantize`): int8 follows llama.cpp's Q8_0 rule, scale = max|w| / 127 and
+q = round(w / scale) in [-127, 127]. int4 searches each group's scale: among m / d for the
+group's value m of largest magnitude and the 21 divisors d = -9.0, -8.9, ..., -7.0 (-8 is
+llama.cpp's Q4_0 rule, which spends the code -8 on the extreme value alone), the one whose codes
+round(w / scale), clamped to [-8, 7], reconstruct the group with the least squared error, as
+llama.cpp's K-quants search theirs; on the default model it takes a tenth off int4's KL from
+float (benchmarks/RESULTS.md, issue 39). Every scale is rounded to float16 first and q computed
+from the rounded scale. The search runs natively where the kernels load (quantize_int4.cpp),
+else in torch (`_int4_search_torch`, the same steps).
 
 Packed layout (`pack`, what the kernel reads; N padded to a multiple of 16 with zero rows), four
 consecutive k of a column in each 32-bit lane (what vpdpbusd reads):
@@ -63,16 +67,56 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedWeigh
     """weight [N, K] (any float dtype) -> its int8 / int4 groups (the module docstring's rule)."""
     n, k = weight.shape
     check_scheme(bits, group_size, k)
+    if bits == 4:
+        return QuantizedWeight(*_int4_search(weight.detach().float().contiguous(), group_size), bits, group_size)
     w = weight.detach().float().reshape(n, k // group_size, group_size)
-    if bits == 8:
-        scale = w.abs().amax(dim=-1) / 127
-    else:
-        extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-        scale = extreme / -8
-    scale = scale.half()
-    inverse = torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
-    q = torch.round(w * inverse[..., None]).clamp_(_QMIN[bits], _QMAX[bits]).to(torch.int8)
+    scale = (w.abs().amax(dim=-1) / 127).half()
+    q = torch.round(w * _inverse(scale)[..., None]).clamp_(_QMIN[bits], _QMAX[bits]).to(torch.int8)
     return QuantizedWeight(q.reshape(n, k), scale, bits, group_size)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale in float32 (0 where the scale is 0: an all-zero group)."""
+    return torch.where(scale != 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+
+
+INT4_DIVISORS = [-8.0 + (i - 10) / 10 for i in range(21)]      # searched in this order (ties: the first)
+
+
+def _int4_search(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [N, K] -> (codes int8 [N, K], scales float16 [N, K / group]) by the module
+    docstring's search: natively where the kernels load, else in torch."""
+    from ..native.ops import native_ops
+    ops = native_ops()
+    if ops is not None and group_size % 8 == 0 and w.device.type == "cpu":
+        return ops.quantize_int4.default(w, group_size)
+    return _int4_search_torch(w, group_size)
+
+
+def _int4_search_torch(w: torch.Tensor, group_size: int, rows_at_once: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The search in torch ops (quantize_int4.cpp's steps; the error summed in float64, where
+    w - code * scale is exact), a few thousand rows at a time to bound its temporaries."""
+    n, k = w.shape
+    codes, scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // group_size, dtype=torch.float16)
+    divisors = torch.tensor(INT4_DIVISORS, dtype=torch.float32)
+    for start in range(0, n, rows_at_once):
+        g = w[start:start + rows_at_once].reshape(-1, k // group_size, group_size)
+        extreme = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+        best = best_error = None
+        for divisor in divisors:
+            scale = (extreme / divisor).half()
+            s = scale.float()
+            q = torch.round(g * _inverse(scale)[..., None]).clamp_(-8, 7)
+            error = (g.double() - (q * s[..., None]).double()).square_().sum(-1)
+            if best is None:
+                best, best_error = scale, error
+            else:
+                better = error < best_error
+                best, best_error = torch.where(better, scale, best), torch.where(better, error, best_error)
+        q = torch.round(g * _inverse(best)[..., None]).clamp_(-8, 7)
+        codes[start:start + rows_at_once] = q.reshape(-1, k).to(torch.int8)
+        scales[start:start + rows_at_once] = best
+    return codes, scales
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
@@ -317,16 +361,17 @@ class QuantizedLinearMethod(LinearMethod):
         return torch.cat([y, layer.tail_product(x)], dim=-1)
 
     def _tail_product(self, tail: torch.Tensor):
-        """x -> x tail^T by the float method, on a holder of the tail rows' own (the method keeps
+        """x -> x tail^T by the float method's tail method, on a holder of the tail rows' own (the method keeps
         its layout there; `float_tail` stays the plain rows, a few KB, for reading them back)."""
+        method = self.float_method.tail_method()
         holder = nn.Module()
         holder.shards, holder.in_features, holder.out_features = None, tail.shape[1], tail.shape[0]
         holder.output_sizes = [tail.shape[0]]
         with torch.device("meta"):
-            self.float_method.create_weights(holder, holder.in_features, holder.out_features, tail.dtype)
+            method.create_weights(holder, holder.in_features, holder.out_features, tail.dtype)
         holder.weight = nn.Parameter(tail.clone(), requires_grad=False)
-        self.float_method.process_weights_after_loading(holder)
-        return self.float_method.product(holder)
+        method.process_weights_after_loading(holder)
+        return method.product(holder)
 
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.float_tail is not None:

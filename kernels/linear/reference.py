@@ -97,6 +97,11 @@ class LinearMethod:
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.weight[ids]
 
+    def tail_method(self) -> "LinearMethod":
+        """The method for a few float rows run beside another product (a quantized layer's float
+        tail shards, kernels/linear/quantized.py): here this one."""
+        return self
+
     def holds_weight_elsewhere(self, layer: nn.Module) -> bool:
         """Whether, after processing, the layer's values live in a layout of the method's own
         that also serves `rows`: a tied embedding table can then be freed and read through it."""

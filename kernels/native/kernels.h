@@ -29,6 +29,10 @@ int quant_linear_f32(const float* x, const uint8_t* q, const uint16_t* scales, f
                      int group, int threads);
 int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* scales, uint16_t* y, int M, int N, int K,
                       int bits, int group, int threads);
+// int4 codes and float16 scales of `groups` groups of `group` consecutive float32 values
+// (quantize_int4.cpp: the scale of least squared error among 21 around max / -8): 0, or 1 where
+// group is not a multiple of 8.
+int quantize_int4_search(const float* w, int64_t groups, int group, int8_t* q, uint16_t* scales, int threads);
 
 int gdn_recurrent(const float* kq, const float* decay, const float* beta, const float* v,
                   const float* read_pool, int64_t R, float* pool, int64_t S, const int64_t* read_slots,

@@ -143,6 +143,21 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, i
   return y;
 }
 
+// w float32 [N, K] -> (int4 codes int8 [N, K], scales float16 [N, K / group]): each group's
+// scale searched (quantize_int4.cpp).
+std::tuple<Tensor, Tensor> quantize_int4_op(const Tensor& w, int64_t group) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kFloat, "quantize_int4: w must be 2-d float32, not ",
+                    shape(w), " ", dtype_name(w));
+  TORCH_CHECK_VALUE(group >= 8 && group % 8 == 0 && w.size(1) % group == 0, "quantize_int4: group ", group,
+                    " is not a multiple of 8 dividing w's ", w.size(1), " columns");
+  const Tensor wc = dense(w);
+  Tensor q = at::empty(w.sizes(), w.options().dtype(at::kChar));
+  Tensor scales = at::empty({w.size(0), w.size(1) / group}, w.options().dtype(at::kHalf));
+  quantize_int4_search(wc.const_data_ptr<float>(), w.numel() / group, group, q.mutable_data_ptr<int8_t>(),
+                       static_cast<uint16_t*>(scales.mutable_data_ptr()), threads());
+  return {q, scales};
+}
+
 // W[ids] [n, k] from a blocked W (float32 [N/16, K, 16] or bf16 pairs [N/16, ceil(K/2), 16, 2]),
 // ids int64 [n]; k: W's columns (bf16's padded pair dropped).
 Tensor blocked_rows_op(const Tensor& w_blocked, const Tensor& ids, int64_t k) {
@@ -622,6 +637,7 @@ void define_ops(torch::Library& m) {
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
   m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor q, Tensor scales, int bits, int group) -> Tensor");
+  m.def("quantize_int4(Tensor w, int group) -> (Tensor, Tensor)");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
@@ -645,6 +661,7 @@ void cpu_impls(torch::Library& m) {
   m.impl("mlp_blocked", blocked_mlp_op);
   m.impl("blocked_rows", blocked_rows_op);
   m.impl("linear_quant", quant_linear_op);
+  m.impl("quantize_int4", quantize_int4_op);
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);
