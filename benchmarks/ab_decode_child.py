@@ -8,7 +8,8 @@ What a step is, from the environment (both sides get the same):
 - AB_PREFILL=L: one step prefills a fresh L-token prompt (prefix caching off, so no step reuses
   another's blocks) and emits one token;
 - AB_SPEC_K=k: batch-1 greedy decode with MTP k (a step verifies k drafts and drafts again; the
-  tokens, and so the acceptance, are the same on both sides)."""
+  tokens, and so the acceptance, are the same on both sides);
+and AB_QUANTIZATION=int8|int4 quantizes the projections at load (groups of 32), with any of them."""
 import sys, time, os
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
@@ -20,14 +21,15 @@ compile = len(sys.argv) > 4 and sys.argv[4] == "compiled"
 batch = int(os.environ.get("AB_BATCH", "1"))
 prefill = int(os.environ.get("AB_PREFILL", "0"))
 spec_k = int(os.environ.get("AB_SPEC_K", "0"))
+quantization = os.environ.get("AB_QUANTIZATION") or None
 if spec_k:
     from hybrid_engine.config import EngineConfig
     from hybrid_engine.engine import LLMEngine
     e = LLMEngine(EngineConfig(model=folder, dtype=dtype, max_num_seqs=1, max_model_len=640,
-                               enable_torch_compile=compile,
+                               enable_torch_compile=compile, quantization=quantization,
                                speculative_config={"method": "mtp", "num_speculative_tokens": spec_k}))
 else:
-    e = make_engine(folder, dtype, batch, compile=compile, prefix_caching=not prefill)
+    e = make_engine(folder, dtype, batch, compile=compile, prefix_caching=not prefill, quantization=quantization)
 vocab = e.model_config.vocab_size
 if prefill:
     gen = torch.Generator().manual_seed(0)
