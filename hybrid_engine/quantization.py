@@ -15,7 +15,8 @@ loading). A projection whose input width the group size does not divide stays fl
 the engine's log says which.
 
 Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
-`CheckpointLayers` (compressed-tensors folders) and `GgufLayers` (GGUF files).
+`CheckpointLayers` (compressed-tensors, GPTQ and FP8 folders; MoE experts too, per expert) and
+`GgufLayers` (GGUF files; their quantized experts are read dequantized, float).
 
 The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
 where the cpu backend's kernels build (activations rounded to int8 in blocks of 32, as
@@ -126,7 +127,8 @@ class CheckpointLayers(QuantizedLayers):
     projection is quantized where the checkpoint holds it so (its format's tensors beside its
     name), each shard of a merged one on its own (GDN's b / a float beside a quantized in_proj),
     as the checkpoint's own choice rules (a quantized MTP head loads quantized, a 16-bit one
-    stays 16-bit)."""
+    stays 16-bit); so are a MoE layer's experts, stored per expert (routed experts quantized
+    beside a float shared expert load so)."""
 
     def __init__(self, checkpoint, names: set[str], float_method: LinearMethod, native: bool,
                  int8_activations: bool | None = None):
@@ -136,7 +138,7 @@ class CheckpointLayers(QuantizedLayers):
 
     def __call__(self, name: str, layer) -> LinearMethod | None:
         if not hasattr(layer, "shards"):
-            return None                                  # experts: as stored (float), not read quantized yet
+            return self._stored_experts(name, layer)
         projections = [base for base, _ in shard_names(layer, name)]
         quantized = [base for base in projections if f"{base}.{self.checkpoint.marker}" in self.names]
         if not quantized:
@@ -145,6 +147,17 @@ class CheckpointLayers(QuantizedLayers):
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
                                      float_shards=float_shards, int8_activations=self.int8_activations,
                                      checkpoint=self.checkpoint, float_method=self.float_method)
+
+    def _stored_experts(self, name: str, experts) -> LinearMethod | None:
+        """A MoE layer's experts read quantized, each projection of each expert as the checkpoint
+        stores it (`experts.{e}.gate_proj.<marker>`, ...), where it stores any of them so (one
+        whose tensors are then missing is reported by the loader); None: float, stacked."""
+        stored = (f"{name}.{e}.{proj}.{self.checkpoint.marker}" for e in range(experts.num_experts)
+                  for proj in ("gate_proj", "up_proj", "down_proj"))
+        if not any(n in self.names for n in stored):
+            return None
+        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
+                                     int8_activations=self.int8_activations, checkpoint=self.checkpoint)
 
     def progress_bar(self, layers):
         return layers                                  # nothing to quantize: the layers only repack

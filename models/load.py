@@ -66,7 +66,7 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     has no MTP layer (nor, then, its KV pool). method: the projections' linear method (the
     engine's kernel backend's; None: plain weights); methods: name, layer -> the method of each
     projection layer instead, where the choice is per layer (hybrid_engine/quantization.py), and
-    of each MoE layer's experts (None: the stacked float weights).
+    of each MoE layer's experts (None: the stacked float weights; models/mlp.py Experts).
     The loader hands each tensor to what takes it, then every layer processes its weights once
     (`process_weights_after_loading`; progress: wraps the iterable of layers, a progress bar).
     source: where the config and weights come from instead of `folder`'s config.json and
@@ -82,11 +82,12 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method)
         if methods is not None:
-            for name, module in model.named_modules():
+            # (listed first: experts stored quantized add their per-expert layers, of their method)
+            for name, module in list(model.named_modules()):
                 if isinstance(module, Linear):
                     module.use_method(methods(name, module), torch_dtype)
                 elif isinstance(module, Experts) and (expert_method := methods(name, module)) is not None:
-                    module.use_method(expert_method)
+                    module.use_method(expert_method, torch_dtype)
     tensors = _checkpoint_tensors(model)
     expected = {name: shape for name, (shape, _) in tensors.items()}
     weights = (source.load_weights(cfg, expected, torch_dtype) if source is not None

@@ -13,7 +13,9 @@ the folder's ``*.safetensors`` files and converts:
 * MoE experts stored one module per expert (``experts.{e}.{gate,up,down}_proj.weight``, which is
   what transformers 5.24 ``save_pretrained`` writes) are stacked into the fused
   ``experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``experts.down_proj`` [E, H, I]; the
-  fused form is accepted as stored.
+  fused form is accepted as stored. Where the caller asks for an expert's own tensors instead
+  (experts stored quantized: ``experts.{e}.gate_proj.weight_packed``, an FP8 expert's
+  ``.weight`` beside its ``.weight_scale_inv``), they are read as they are, like any other.
 
 Only safetensors are read (lazily, with ``safe_open``); pickled ``.bin`` files are refused.
 Every problem raises ``CheckpointError`` with one message naming the file or tensor.
@@ -237,7 +239,8 @@ def load_weights(
         name = map_name(key)
         if name is None:
             continue
-        if m := _EXPERT_RE.match(name):
+        # (experts stored quantized are asked for per expert, each under its own name: read as is)
+        if name not in expected and (m := _EXPERT_RE.match(name)):
             experts.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["idx"])] = src
         elif m := _QKVZ_RE.match(name):
             qkvz[(m["prefix"], m["suffix"])] = src

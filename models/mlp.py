@@ -27,37 +27,61 @@ class SwiGLU(nn.Module):
 
 class Experts(nn.Module):
     """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I],
-    as the loader fills them. With a linear method (`use_method`, before loading: a quantization
-    config's) each expert's two projections become projection layers of that method after
-    loading and the stacked tensors are freed; without one they run as F.linear on the stack."""
+    as the loader fills them, run as F.linear on the stack.
+
+    With a linear method (`use_method`, before loading: a quantization config's) each expert
+    becomes a SwiGLU of projection layers of that method, child `{e}` of this module, so its
+    projections' checkpoint names are the per-expert ones (`experts.{e}.gate_proj`, `.up_proj`,
+    `.down_proj`), and the stacked tensors go. A method that reads a quantized checkpoint
+    (its `checkpoint` set) gets those layers at once, and the loader fills them with each
+    expert's stored tensors; any other method gets them after loading, from the stacked float
+    weights (online quantization)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
-        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.method: LinearMethod | None = None
-        self.gate_up_layers = self.down_layers = None
+        self.per_expert: list[SwiGLU] | None = None
 
-    def use_method(self, method: LinearMethod) -> None:
+    def use_method(self, method: LinearMethod, dtype: torch.dtype | None = None) -> None:
         self.method = method
+        if getattr(method, "checkpoint", None) is not None:
+            self._make_experts(method, dtype)
+
+    def _make_experts(self, method: LinearMethod, dtype: torch.dtype | None) -> list[SwiGLU]:
+        """Child `{e}` per expert, its weights on the meta device (to be loaded); the stacked
+        tensors are dropped."""
+        del self.gate_up_proj, self.down_proj
+        self.per_expert = []
+        for e in range(self.num_experts):
+            with torch.device("meta"):
+                expert = SwiGLU(self.hidden, self.intermediate)
+            expert.gate_up_proj.use_method(method, dtype)
+            expert.down_proj.use_method(method, dtype)
+            self.add_module(str(e), expert)
+            self.per_expert.append(expert)
+        return self.per_expert
 
     def process_weights_after_loading(self) -> None:
-        if self.method is None or self.gate_up_proj.is_meta:
-            return
-        self.gate_up_layers = nn.ModuleList(_layer(w, self.method) for w in self.gate_up_proj)
-        self.down_layers = nn.ModuleList(_layer(w, self.method) for w in self.down_proj)
-        for name in ("gate_up_proj", "down_proj"):
-            stacked = getattr(self, name)
-            setattr(self, name, nn.Parameter(torch.empty(stacked.shape, dtype=stacked.dtype, device="meta"),
-                                             requires_grad=False))
+        if self.method is None or self.per_expert is not None or self.gate_up_proj.is_meta:
+            return                       # float, or per-expert layers the model processes itself
+        stacked_gate_up, stacked_down = self.gate_up_proj, self.down_proj
+        for expert, gate_up, down in zip(self._make_experts(self.method, stacked_gate_up.dtype),
+                                         stacked_gate_up, stacked_down):
+            expert.gate_up_proj.weight_loader("gate_proj.weight", gate_up[:self.intermediate])
+            expert.gate_up_proj.weight_loader("up_proj.weight", gate_up[self.intermediate:])
+            expert.down_proj.weight_loader("down_proj.weight", down)
+            expert.gate_up_proj.process_weights_after_loading()
+            expert.down_proj.process_weights_after_loading()
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, ops) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, top_k]. Loops over the experts that were hit."""
         out = torch.zeros_like(x)
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         token_of = order // expert_ids.shape[1]
         w_sorted = weights.reshape(-1)[order]
         start = 0
@@ -65,24 +89,14 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            if self.gate_up_layers is None:
+            if self.per_expert is None:
                 gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, self.down_proj[e])
             else:
-                gate, up = self.gate_up_layers[e](x[rows]).chunk(2, dim=-1)
-                y = self.down_layers[e](F.silu(gate) * up)
+                y = self.per_expert[e](x[rows], ops)
             out.index_add_(0, rows, y * w_sorted[start:start + n, None])
             start += n
         return out
-
-
-def _layer(weight: torch.Tensor, method: LinearMethod) -> Linear:
-    """One expert's projection as a projection layer of `method`, loaded with `weight`."""
-    with torch.device("meta"):
-        layer = Linear(weight.shape[1], weight.shape[0], method=method)
-    layer.weight_loader("expert.weight", weight)
-    layer.process_weights_after_loading()
-    return layer
 
 
 class SparseMoE(nn.Module):
@@ -105,7 +119,7 @@ class SparseMoE(nn.Module):
         top_w, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        out = self.experts(x, top_ids, top_w.to(x.dtype))
+        out = self.experts(x, top_ids, top_w.to(x.dtype), ops)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
 
 
