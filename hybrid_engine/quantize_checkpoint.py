@@ -5,11 +5,14 @@ pack-quantized one (hybrid_engine/checkpoint_formats/compressed_tensors.py), whi
 The projections quantized are the ones online quantization quantizes (hybrid_engine/
 quantization.py: the same rule, the same values), with two exceptions: a tied lm_head stays
 float with its embedding table, as in community int4 checkpoints (its own quantized copy would
-be a second table on disk), an untied one stays float under int4 (online int4 holds it at int8;
-the file has one bit width), and MoE experts stay float (quantized experts are not read from
-checkpoints yet; online quantization quantizes them). Every other tensor is copied as stored; each output file holds what
-its input file held, and the index (if any) follows. The `ignore` list names every projection
-left float (GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router, gates and experts).
+be a second table on disk), and an untied one stays float under int4 (online int4 holds it at
+int8; the file has one bit width). MoE experts are written per expert, as vLLM reads
+compressed-tensors MoE checkpoints (`mlp.experts.{e}.gate_proj.weight_packed`, `.up_proj.`,
+`.down_proj.`): experts stored fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)
+are split. Every other tensor is copied as stored; each output file holds what its input file
+held, and the index (if any) follows. The `ignore` list names every projection left float
+(GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router and shared-expert gate, and any layer
+whose input width the group size does not divide).
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from .kernels.linear.reference import shard_names
 from .models.config import CheckpointError, load_config
 from .models.linear import Linear
 from .models.loader import INDEX_NAME, map_name
+from .models.mlp import Experts
 from .models.qwen3_5 import HybridForCausalLM
 from .quantization import Quantization, QuantizedLayers
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
@@ -42,6 +48,9 @@ def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
     policy = QuantizedLayers(scheme, LinearMethod(), native=False)
     names = set()
     for name, layer in model.named_modules():
+        if isinstance(layer, Experts) and policy(name, layer) is not None:
+            names.update(f"{name}.{e}.{proj}.weight" for e in range(layer.num_experts)
+                         for proj in EXPERT_PROJECTIONS)
         if not isinstance(layer, Linear) or (name == "lm_head" and cfg.tie_word_embeddings):
             continue
         method = policy(name, layer)
@@ -80,12 +89,12 @@ def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, prog
             current, handle = path, safe_open(str(path), framework="pt")
         tensor = handle.get_tensor(key)
         if map_name(key) in wanted:
-            qw = quantize(tensor, scheme.bits, scheme.group_size)
-            base = key.removesuffix(".weight")
-            out[f"{base}.weight_packed"] = compressed_tensors.pack_int32(qw.values, scheme.bits)
-            out[f"{base}.weight_scale"] = qw.scales
-            out[f"{base}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int32)
+            out.update(_packed(key.removesuffix(".weight"), tensor, scheme))
             quantized.append(key)
+        elif (per_expert := _fused_experts(key, tensor)) and f"{map_name(per_expert[0][0])}.weight" in wanted:
+            for base, weight in per_expert:
+                out.update(_packed(base, weight, scheme))
+                quantized.append(f"{base}.weight")
         else:
             out[key] = tensor
             if (key.endswith(".weight") and tensor.dim() == 2 and map_name(key) is not None
@@ -104,6 +113,27 @@ def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, prog
         index["weight_map"] = weight_map
         (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return quantized
+
+
+def _packed(base: str, weight: torch.Tensor, scheme: Quantization) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of the projection `base` holding `weight`."""
+    qw = quantize(weight, scheme.bits, scheme.group_size)
+    return {f"{base}.weight_packed": compressed_tensors.pack_int32(qw.values, scheme.bits),
+            f"{base}.weight_scale": qw.scales,
+            f"{base}.weight_shape": torch.tensor(list(weight.shape), dtype=torch.int32)}
+
+
+def _fused_experts(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused experts tensor (`<...>.experts.gate_up_proj` [E, 2I, H], gate rows first, or
+    `<...>.experts.down_proj` [E, H, I]) -> (checkpoint name of each expert's projection without
+    `.weight`, its weight); [] for any other tensor."""
+    prefix, _, last = key.rpartition(".")
+    if not prefix.endswith(".experts") or last not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+        return []
+    if last == "down_proj":
+        return [(f"{prefix}.{e}.down_proj", w) for e, w in enumerate(tensor)]
+    return [(f"{prefix}.{e}.{proj}", part) for e, w in enumerate(tensor)
+            for proj, part in zip(("gate_proj", "up_proj"), w.chunk(2))]
 
 
 def _save(tensors: dict[str, torch.Tensor], dst: Path, source: Path | None, weight_map: dict) -> None:

@@ -18,7 +18,8 @@ from hybrid_engine.cli import main as cli_main
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine import quantization
-from hybrid_engine.quantization import Quantization, QuantizedLayers
+from hybrid_engine.models.linear import Linear
+from hybrid_engine.quantization import Quantization
 from hybrid_engine.quantize_checkpoint import write_quantized
 
 from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
@@ -49,8 +50,12 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
         assert isinstance(layers[name].method, QuantizedLinearMethod), name
     assert layers["layers.0.linear_attn.in_proj"].method.float_shards == ("in_proj_b", "in_proj_a")
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
-    # the written checkpoint keeps MoE experts float (not read quantized yet): online likewise
-    monkeypatch.setattr(QuantizedLayers, "_experts", lambda self, name, experts: None)
+    if "layers.0.mlp.experts" in layers:
+        # experts are written per expert, quantized where the group size divides their widths
+        # (the tiny MoE's moe_intermediate_size 32: not in groups of 64), and read back so
+        for name in ("layers.0.mlp.experts.3.down_proj", "mtp.layers.0.mlp.experts.3.gate_up_proj"):
+            assert isinstance(getattr(layers.get(name), "method", None), QuantizedLinearMethod) == (group == 32)
+        assert not isinstance(layers["layers.0.mlp.gate"], Linear)           # the router: plain float
     # one bit width a file: the lm_head, int8 under online int4, is written float under int4
     assert isinstance(layers["lm_head"].method, QuantizedLinearMethod) == (method == "int8")
     if method == "int4":

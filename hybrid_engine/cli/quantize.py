@@ -13,9 +13,10 @@ HELP = "write a float checkpoint as an int8 / int4 compressed-tensors checkpoint
 DESCRIPTION = """\
 Quantizes the projections online quantization (--quantization) quantizes, with the same rule and
 values: int8 or int4 in groups of --group-size input columns, one float16 scale per group
-(llama.cpp's Q8_0 / Q4_0 rules). GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router, gates and
-experts, norms, convolutions and embeddings (and a tied lm_head) stay as stored. The copy loads
-with `--model DST` and no --quantization.
+(llama.cpp's Q8_0 / Q4_0 rules); MoE experts each on its own, written per expert. GDN's
+in_proj_b / in_proj_a, mtp.fc, the MoE router and shared-expert gate, norms, convolutions and
+embeddings (and a tied lm_head) stay as stored. The copy loads with `--model DST` and no
+--quantization.
 
   hybrid-engine quantize ./Qwen3.5-0.8B ./Qwen3.5-0.8B-int4 --method int4
   hybrid-engine quantize ./Qwen3.5-9B ./Qwen3.5-9B-int8 --method int8 --group-size 128
