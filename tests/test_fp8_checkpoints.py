@@ -8,7 +8,6 @@ ones, `model.language_model.` names; broken ones are one error naming the tensor
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from hybrid_engine.kernels.linear.reference import shard_names
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine.quantization import Quantization, QuantizedLayers
 
-from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, to_fp8
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -36,18 +35,6 @@ FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z
 def _is_fp8(name: str) -> bool:
     module = name.removesuffix(".weight").rpartition(".")[2]
     return name.endswith(".weight") and module in FP8_MODULES and ".experts." not in name
-
-
-def to_fp8(w: torch.Tensor, block: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w -> (float8_e4m3 values, weight_scale_inv [ceil(out/b), ceil(in/b)]): per block scale
-    max|w| / 448, as Qwen's FP8 releases hold them."""
-    rows, cols = w.shape
-    br, bc = math.ceil(rows / block), math.ceil(cols / block)
-    padded = torch.nn.functional.pad(w.float(), (0, bc * block - cols, 0, br * block - rows))
-    amax = padded.reshape(br, block, bc, block).abs().amax(dim=(1, 3))
-    scale = (amax / 448).to(scale_dtype)
-    expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-    return (w.float() / expanded).to(torch.float8_e4m3fn), scale
 
 
 def write_fp8_pair(src: Path, fp8_dir: Path, float_dir: Path, block: int, scale_dtype: torch.dtype,

@@ -1,10 +1,13 @@
 """What the quantized-checkpoint tests share: an engine on a tiny checkpoint, its greedy runs,
-and broken copies of a checkpoint."""
+broken copies of a checkpoint, and FP8 block quantization as Qwen's FP8 releases store it."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import torch
 
 from safetensors.torch import load_file, save_file
 
@@ -47,3 +50,15 @@ def broken_copy(src: Path, dst: Path, config_edit=None, tensors_edit=None) -> Pa
         tensors_edit(tensors)
         save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+def to_fp8(w: torch.Tensor, block: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (float8_e4m3 values, weight_scale_inv [ceil(out/b), ceil(in/b)]): per block scale
+    max|w| / 448, as Qwen's FP8 releases hold them."""
+    rows, cols = w.shape
+    br, bc = math.ceil(rows / block), math.ceil(cols / block)
+    padded = torch.nn.functional.pad(w.float(), (0, bc * block - cols, 0, br * block - rows))
+    amax = padded.reshape(br, block, bc, block).abs().amax(dim=(1, 3))
+    scale = (amax / 448).to(scale_dtype)
+    expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return (w.float() / expanded).to(torch.float8_e4m3fn), scale
