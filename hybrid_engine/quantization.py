@@ -149,9 +149,9 @@ class CheckpointLayers(QuantizedLayers):
                                      checkpoint=self.checkpoint, float_method=self.float_method)
 
     def _stored_experts(self, name: str, experts) -> LinearMethod | None:
-        """A MoE layer's experts read quantized, each projection of each expert as the checkpoint
-        stores it (`experts.{e}.gate_proj.<marker>`, ...), where it stores any of them so (one
-        whose tensors are then missing is reported by the loader); None: float, stacked."""
+        """A MoE layer's experts as per-expert projection layers where the checkpoint stores any
+        of them quantized (`experts.{e}.gate_proj.<marker>`, ...): each layer is then chosen for on
+        its own (`__call__`), as stored; None: float, stacked."""
         stored = (f"{name}.{e}.{proj}.{self.checkpoint.marker}" for e in range(experts.num_experts)
                   for proj in ("gate_proj", "up_proj", "down_proj"))
         if not any(n in self.names for n in stored):

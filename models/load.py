@@ -82,12 +82,14 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method)
         if methods is not None:
-            # (listed first: experts stored quantized add their per-expert layers, of their method)
+            # experts first: those stored quantized add their per-expert projection layers, which
+            # are then chosen for like any other (a checkpoint may quantize some projections only)
             for name, module in list(model.named_modules()):
+                if isinstance(module, Experts) and (expert_method := methods(name, module)) is not None:
+                    module.use_method(expert_method, torch_dtype)
+            for name, module in model.named_modules():
                 if isinstance(module, Linear):
                     module.use_method(methods(name, module), torch_dtype)
-                elif isinstance(module, Experts) and (expert_method := methods(name, module)) is not None:
-                    module.use_method(expert_method, torch_dtype)
     tensors = _checkpoint_tensors(model)
     expected = {name: shape for name, (shape, _) in tensors.items()}
     weights = (source.load_weights(cfg, expected, torch_dtype) if source is not None

@@ -33,8 +33,9 @@ class Experts(nn.Module):
     becomes a SwiGLU of projection layers of that method, child `{e}` of this module, so its
     projections' checkpoint names are the per-expert ones (`experts.{e}.gate_proj`, `.up_proj`,
     `.down_proj`), and the stacked tensors go. A method that reads a quantized checkpoint
-    (its `checkpoint` set) gets those layers at once, and the loader fills them with each
-    expert's stored tensors; any other method gets them after loading, from the stacked float
+    (its `checkpoint` set) gets those layers at once, before loading (models/load.py then
+    chooses each one's method as for any projection layer, and the loader fills them with each
+    expert's stored tensors); any other method gets them after loading, from the stacked float
     weights (online quantization)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):

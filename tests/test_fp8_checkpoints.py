@@ -25,8 +25,8 @@ from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, to_fp8
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# What Qwen's FP8 releases store in FP8 (PEERS.md): the projections, not lm_head, mtp.fc, GDN's
-# b / a, the router or (here) the experts; Qwen3-Next's grouped in_proj_qkvz stays 16-bit in
+# What Qwen's FP8 releases store in FP8 (PEERS.md): the projections and every expert's, not
+# lm_head, mtp.fc, GDN's b / a or the router; Qwen3-Next's grouped in_proj_qkvz stays 16-bit in
 # these tests (its FP8 form is not read yet).
 FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                "up_proj", "down_proj")
@@ -34,7 +34,7 @@ FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z
 
 def _is_fp8(name: str) -> bool:
     module = name.removesuffix(".weight").rpartition(".")[2]
-    return name.endswith(".weight") and module in FP8_MODULES and ".experts." not in name
+    return name.endswith(".weight") and module in FP8_MODULES
 
 
 def write_fp8_pair(src: Path, fp8_dir: Path, float_dir: Path, block: int, scale_dtype: torch.dtype,
@@ -73,8 +73,8 @@ class SameProjectionsOnline(QuantizedLayers):
         self.fp8_names = fp8_names
 
     def __call__(self, name, layer):
-        if not hasattr(layer, "shards"):
-            return None                                  # experts: float in these checkpoints
+        if not hasattr(layer, "shards"):                 # a MoE layer's experts
+            return super().__call__(name, layer) if f"{name}.0.gate_proj" in self.fp8_names else None
         bases = [base for base, _ in shard_names(layer, name)]
         if not any(base in self.fp8_names for base in bases):
             return self.float_method

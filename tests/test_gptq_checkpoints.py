@@ -24,8 +24,8 @@ from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
-# GPTQ releases quantize the projections; lm_head, the embeddings, GDN's b / a and mtp.fc stay
-# 16-bit (experts too in these tests: quantized experts are not read from checkpoints yet)
+# GPTQ releases quantize the projections, each MoE expert's too; lm_head, the embeddings, GDN's
+# b / a, mtp.fc and the router stay 16-bit
 GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                 "up_proj", "down_proj")
 needs_native = pytest.mark.skipif(not native_cpu_available(), reason="no native kernels at this CPU level")
@@ -33,7 +33,7 @@ needs_native = pytest.mark.skipif(not native_cpu_available(), reason="no native 
 
 def _is_gptq(name: str) -> bool:
     module = name.removesuffix(".weight").rpartition(".")[2]
-    return name.endswith(".weight") and module in GPTQ_MODULES and ".experts." not in name
+    return name.endswith(".weight") and module in GPTQ_MODULES
 
 
 def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group: int, desc_act: bool,
