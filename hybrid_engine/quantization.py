@@ -10,9 +10,9 @@ perplexity loss, benchmarks/RESULTS.md, issue 39). Kept float, as every quantize
 format and peer keeps them: GDN's in_proj_b / in_proj_a (they feed the decay and the beta
 sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_expert_gate
 (plain nn.Linear), the conv taps, A_log, dt_bias and the norms. MoE experts are quantized each
-on its own (models/mlp.py Experts: one projection layer per expert and projection after
-loading). A projection whose input width the group size does not divide stays float too, and
-the engine's log says which.
+on its own (models/mlp.py Experts: one SwiGLU of projection layers per expert after loading).
+A projection whose input width the group size does not divide stays float too, and the
+engine's log says which.
 
 Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
 `CheckpointLayers` (compressed-tensors, GPTQ and FP8 folders; MoE experts too, per expert) and

@@ -1,6 +1,7 @@
 """Quantized checkpoint formats: each reads its config.json `quantization_config` into the
 QuantizedCheckpoint its projections load through (kernels/linear/quantized.py), and says which
-tensor beside a projection marks it quantized (`marker`).
+tensor beside a projection marks it quantized (`marker`). MoE experts are projections here too,
+one per expert (`mlp.experts.{e}.down_proj.<marker>`: how every format stores them per expert).
 
     compressed_tensors.py   llm-compressor's pack-quantized W4A16 / W8A16 (and what
                             `hybrid-engine quantize` writes)

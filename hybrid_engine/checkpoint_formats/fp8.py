@@ -11,9 +11,11 @@ On a CPU there is no FP8 arithmetic: the weights are dequantized at load and req
 in groups of 32 (the kernels' int8; per 32 columns of one row the int8 rounding is finer than
 e4m3's 3-bit mantissa over 128 x 128, so it adds little: the error is measured in the tests
 against the dequantized weights). int8 reads half bf16's bytes per token, so it is the faster
-of the two on every CPU level here. Not read yet: FP8 MoE experts (stacked tensors, no
-projection layer) and Qwen3-Next's grouped in_proj_qkvz in FP8 (its scale blocks span the
-interleaved rows); both are refused by the loader as tensors it does not expect.
+of the two on every CPU level here. MoE experts are read the same way, each expert's
+gate_proj / up_proj / down_proj (`mlp.experts.{e}.gate_proj.weight` with its `weight_scale_inv`,
+as Qwen3.5-35B-A3B-FP8 and its larger siblings store them) a projection layer of its own
+(models/mlp.py Experts). Not read yet: Qwen3-Next's grouped in_proj_qkvz in FP8 (its scale
+blocks span the interleaved rows); the loader refuses it as a tensor it does not expect.
 """
 
 from __future__ import annotations
