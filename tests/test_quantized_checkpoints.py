@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32, unpack_int32
@@ -23,6 +24,7 @@ from hybrid_engine.quantization import Quantization
 from hybrid_engine.quantize_checkpoint import write_quantized
 
 from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
+from checkpoints import make_hf_model, save_checkpoint
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -62,6 +64,24 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
         monkeypatch.setattr(quantization, "FLOAT_LAYERS", quantization.FLOAT_LAYERS + ("lm_head",))
     online = mtp_engine(ckpt, backend, quantization=method, quantization_group_size=group)
     assert greedy_runs(stored) == greedy_runs(online)
+
+
+def test_fused_experts_are_written_per_expert(tmp_path):
+    """A checkpoint storing its experts fused (experts.gate_up_proj [E, 2I, H], experts.down_proj)
+    writes what the same model stored per expert writes, tensor for tensor: each expert's
+    gate_proj / up_proj / down_proj packed on its own (vLLM's compressed-tensors MoE names)."""
+    model = make_hf_model("qwen3_5_moe", tie_word_embeddings=False)
+    written = {}
+    for fused in (True, False):
+        src = save_checkpoint(model, tmp_path / f"src{fused}", fused_experts=fused, add_mtp=True)
+        write_quantized(src, tmp_path / f"q{fused}", Quantization("int4", 32))
+        written[fused] = load_file(str(tmp_path / f"q{fused}" / "model.safetensors"))
+    assert written[True].keys() == written[False].keys()
+    for name in written[True]:
+        assert torch.equal(written[True][name], written[False][name]), name
+    for name in ("model.layers.1.mlp.experts.3.up_proj.weight_packed", "mtp.layers.0.mlp.experts.0.down_proj.weight_scale"):
+        assert name in written[True]
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in written[True])
 
 
 def test_tied_lm_head_stays_float(tmp_path, monkeypatch):
