@@ -57,17 +57,27 @@ def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
 def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, progress=None) -> list[str]:
     """Writes the quantized copy; -> the checkpoint names of the tensors it quantized.
     progress: wraps the list of tensor names (a progress bar)."""
+    bits = dict.fromkeys(quantized_names(src, scheme), scheme.bits)
+    return write_checkpoint(src, dst, bits, scheme.group_size, progress)
+
+
+def write_checkpoint(src: str | Path, dst: str | Path, bits: dict[str, int], group_size: int, progress=None,
+                     plan: dict | None = None) -> list[str]:
+    """The copy of `src` with each tensor `bits` names (internal names) quantized to its bits, in
+    groups of group_size, one config group per bit width (`hybrid-engine quantize --plan`
+    mixes int4 and int8); -> the checkpoint names of the tensors it quantized. plan: kept in
+    quantization_config["plan"] (vLLM reads only the keys it knows there). With nothing to
+    quantize it is a float copy, without a quantization_config."""
     src, dst = Path(src), Path(dst)
     if stored_quantization(src) is not None:
         raise CheckpointError(f"{src} is stored quantized already")
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
-    wanted = quantized_names(src, scheme)
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {src}")
     dst.mkdir(parents=True, exist_ok=True)
-    quantized, kept, weight_map = [], [], {}
+    quantized, kept, weight_map = {}, [], {}
     keys = [(path, key) for path in files for key in _keys(path)]
     out: dict[str, torch.Tensor] = {}
     handle = current = None
@@ -76,13 +86,13 @@ def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, prog
             _save(out, dst, current, weight_map)
             current, handle = path, safe_open(str(path), framework="pt")
         tensor = handle.get_tensor(key)
-        if map_name(key) in wanted:
-            qw = quantize(tensor, scheme.bits, scheme.group_size)
+        if map_name(key) in bits:
+            qw = quantize(tensor, bits[map_name(key)], group_size)
             base = key.removesuffix(".weight")
-            out[f"{base}.weight_packed"] = compressed_tensors.pack_int32(qw.values, scheme.bits)
+            out[f"{base}.weight_packed"] = compressed_tensors.pack_int32(qw.values, qw.bits)
             out[f"{base}.weight_scale"] = qw.scales
             out[f"{base}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int32)
-            quantized.append(key)
+            quantized[key] = qw.bits
         else:
             out[key] = tensor
             if (key.endswith(".weight") and tensor.dim() == 2 and map_name(key) is not None
@@ -93,14 +103,27 @@ def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, prog
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_NAME):
             shutil.copy2(f, dst / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = compressed_tensors.quantization_config(
-        compressed_tensors.PackQuantized(scheme.bits, scheme.group_size), kept)
+    if quantized:
+        config["quantization_config"] = compressed_tensors.quantization_config(
+            _config_groups(quantized, group_size), kept)
+        if plan is not None:
+            config["quantization_config"]["plan"] = plan
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (src / INDEX_NAME).is_file():
         index = json.loads((src / INDEX_NAME).read_text())
         index["weight_map"] = weight_map
         (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return quantized
+    return list(quantized)
+
+
+def _config_groups(quantized: dict[str, int], group_size: int) -> list[tuple[compressed_tensors.PackQuantized, list[str]]]:
+    """One group per bit width: a single one targets every Linear (what llm-compressor writes; the
+    `ignore` list names the rest), several list their modules by name."""
+    widths = sorted(set(quantized.values()))
+    if len(widths) == 1:
+        return [(compressed_tensors.PackQuantized(widths[0], group_size), ["Linear"])]
+    return [(compressed_tensors.PackQuantized(b, group_size),
+             sorted(key.removesuffix(".weight") for key, kb in quantized.items() if kb == b)) for b in widths]
 
 
 def _save(tensors: dict[str, torch.Tensor], dst: Path, source: Path | None, weight_map: dict) -> None:
