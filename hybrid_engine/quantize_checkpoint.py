@@ -31,6 +31,8 @@ from .models.loader import INDEX_NAME, map_name
 from .models.qwen3_5 import HybridForCausalLM
 from .quantization import Quantization, QuantizedLayers
 
+PLAN_KEY = "quantization_plan"
+
 
 def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
     """The internal names (`layers.0.mlp.down_proj.weight`) of the tensors online quantization
@@ -65,14 +67,13 @@ def write_checkpoint(src: str | Path, dst: str | Path, bits: dict[str, int], gro
                      plan: dict | None = None) -> list[str]:
     """The copy of `src` with each tensor `bits` names (internal names) quantized to its bits, in
     groups of group_size, one config group per bit width (`hybrid-engine quantize --plan`
-    mixes int4 and int8); -> the checkpoint names of the tensors it quantized. plan: kept in
-    quantization_config["plan"] (vLLM reads only the keys it knows there). With nothing to
-    quantize it is a float copy, without a quantization_config."""
+    mixes int4 and int8); -> the checkpoint names of the tensors it quantized. With nothing to
+    quantize it is a float copy, without a quantization_config. plan: kept in config.json
+    under PLAN_KEY, beside quantization_config rather than in it, so that it is there for an
+    all-float plan too and no reader of quantization_config (vLLM, transformers) meets a key
+    it does not know."""
     src, dst = Path(src), Path(dst)
-    if stored_quantization(src) is not None:
-        raise CheckpointError(f"{src} is stored quantized already")
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty")
+    _check_paths(src, dst)
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {src}")
@@ -106,8 +107,8 @@ def write_checkpoint(src: str | Path, dst: str | Path, bits: dict[str, int], gro
     if quantized:
         config["quantization_config"] = compressed_tensors.quantization_config(
             _config_groups(quantized, group_size), kept)
-        if plan is not None:
-            config["quantization_config"]["plan"] = plan
+    if plan is not None:
+        config[PLAN_KEY] = plan
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (src / INDEX_NAME).is_file():
         index = json.loads((src / INDEX_NAME).read_text())
@@ -126,6 +127,13 @@ def _config_groups(quantized: dict[str, int], group_size: int) -> list[tuple[com
              sorted(key.removesuffix(".weight") for key, kb in quantized.items() if kb == b)) for b in widths]
 
 
+def _check_paths(src: Path, dst: Path) -> None:
+    if stored_quantization(src) is not None:
+        raise CheckpointError(f"{src} is stored quantized already")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+
+
 def _save(tensors: dict[str, torch.Tensor], dst: Path, source: Path | None, weight_map: dict) -> None:
     if source is not None:
         save_file(tensors, str(dst / source.name), metadata={"format": "pt"})
@@ -136,3 +144,32 @@ def _save(tensors: dict[str, torch.Tensor], dst: Path, source: Path | None, weig
 def _keys(path: Path) -> list[str]:
     with safe_open(str(path), framework="pt") as f:
         return list(f.keys())
+
+
+def write_planned(src: str | Path, dst: str | Path, max_bytes: int, windows: list[list[int]], calibration: str,
+                  group_size: int = 32, progress=None, on_run=None) -> dict:
+    """`hybrid-engine quantize --plan auto`: measures each kind's sensitivity on the calibration
+    token windows (sensitivity.py), chooses each kind's precision within max_bytes
+    (quantization_plan.py) and writes the checkpoint with the plan in its quantization_config;
+    -> the plan as written there. calibration: what the windows are, for the record. PlanError
+    before any measuring when even every kind at int4 does not fit."""
+    from .quantization_plan import FLOAT, check_budget, checkpoint_sizes, choose_plan
+    from .sensitivity import measure_sensitivity
+
+    _check_paths(Path(src), Path(dst))                 # before minutes of measuring, as is the budget
+    sizes = checkpoint_sizes(src, quantized_names(src, Quantization("int4", group_size)), group_size)
+    check_budget(sizes.kinds, sizes.fixed, max_bytes)
+    kl = measure_sensitivity(src, sizes.names, windows, group_size, Path(dst).absolute().parent, on_run)
+    plan = choose_plan(sizes.kinds, kl, sizes.fixed, max_bytes)
+    bits = {name: plan[kind] for kind, kind_names in sizes.names.items() if plan[kind] is not FLOAT
+            for name in kind_names}
+    record = {"method": "auto", "measure": "mean KL(float || the kind alone quantized) of the next-token "
+                                           "distributions, over each run's top 64 and the rest",
+              "calibration": calibration, "windows": len(windows), "ctx_size": len(windows[0]),
+              "group_size": group_size, "max_bytes": max_bytes, "total_bytes": sizes.total(plan),
+              "fixed_bytes": sizes.fixed,
+              "kinds": {kind: {"bits": plan[kind], "kl_int4": kl[kind][4], "kl_int8": kl[kind][8],
+                               "bytes": sizes.kinds[kind][plan[kind]], "weights": len(sizes.names[kind])}
+                        for kind in sorted(plan)}}
+    write_checkpoint(src, dst, bits, group_size, progress, plan=record)
+    return record
