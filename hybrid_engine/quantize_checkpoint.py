@@ -9,6 +9,10 @@ be a second table on disk), and MoE experts stay float (quantized experts are no
 checkpoints yet; online quantization quantizes them). Every other tensor is copied as stored; each output file holds what
 its input file held, and the index (if any) follows. The `ignore` list names every projection
 left float (GDN's in_proj_b / in_proj_a, mtp.fc, the MoE router, gates and experts).
+
+`write_checkpoint` is the writer under it, taking each tensor's bits (one config group per bit
+width); `write_planned` (`--plan auto`) chooses those bits per kind of projection by measured
+sensitivity within a byte budget (quantization_plan.py, sensitivity.py).
 """
 
 from __future__ import annotations

@@ -128,8 +128,9 @@ def _run_plan(args, group_size: int, progress) -> int:
     on_run = lambda kind, bits, kl: print(f"  {kind} int{bits}: KL {kl:.6f}", file=sys.stderr)  # noqa: E731
     plan = write_planned(args.src, args.dst, args.max_bytes, windows, source, group_size, progress, on_run)
     console().print(plan_table(plan))
+    kl = sum(row[f"kl_int{row['bits']}"] for row in plan["kinds"].values() if row["bits"] is not None)
     console().print(f"wrote {args.dst}: {plan['total_bytes']:,} bytes of tensors (--max-bytes {plan['max_bytes']:,}; "
-                    f"{plan['fixed_bytes']:,} of them kept as stored in every plan)")
+                    f"{plan['fixed_bytes']:,} of them kept as stored in every plan), summed KL {kl:.6f}")
     return 0
 
 
