@@ -141,13 +141,15 @@ class CheckpointLayers:
                    for base in quantized}
         scheme = schemes[quantized[0]]
         if any(s != scheme for s in schemes.values()):
+            given = ", ".join(f"int{s.bits} in groups of {s.group_size}" for s in schemes.values())
             raise CheckpointError(f"the projections {quantized} load as one layer {name} but the checkpoint "
-                                  f"gives them different schemes: {', '.join(f'int{s.bits}/{s.group_size}' for s in schemes.values())}")
+                                  f"gives them different schemes: {given}")
         float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
         native = self.native and native_takes(scheme.group_size)
+        int8_activations = native if self.int8_activations is None else self.int8_activations
         return QuantizedLinearMethod(scheme.bits, scheme.group_size, native=native, float_shards=float_shards,
-                                     int8_activations=native if self.int8_activations is None else self.int8_activations,
-                                     checkpoint=scheme, float_method=self.float_method)
+                                     int8_activations=int8_activations, checkpoint=scheme,
+                                     float_method=self.float_method)
 
     def progress_bar(self, layers):
         return layers                                  # nothing to quantize: the layers only repack

@@ -25,6 +25,8 @@ FLOAT = None                     # a kind kept float (at the checkpoint's own dt
 PRECISIONS = (FLOAT, 8, 4)       # most precise first: the planner's order among equals
 SHAPE_BYTES = 2 * 4              # weight_shape: int32 [2] per quantized projection
 SCALE_BYTES = 2                  # weight_scale: float16 per group
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}      # safetensors' dtypes
 
 # a projection's path inside its layer -> its kind (a path not here is a kind of its own)
 KINDS = {
@@ -51,7 +53,8 @@ def kind_of(name: str) -> str:
 
 def packed_bytes(rows: int, in_features: int, bits: int, group_size: int) -> int:
     """A projection's bytes in a pack-quantized checkpoint: int32 words, float16 scales, its shape."""
-    return rows * math.ceil(in_features * bits / 32) * 4 + rows * (in_features // group_size) * SCALE_BYTES + SHAPE_BYTES
+    words = rows * math.ceil(in_features * bits / 32)
+    return words * 4 + rows * (in_features // group_size) * SCALE_BYTES + SHAPE_BYTES
 
 
 @dataclass
@@ -90,10 +93,6 @@ def checkpoint_sizes(folder: str | Path, quantizable: set[str], group_size: int)
                 for bits in (8, 4):
                     sizes[bits] += packed_bytes(shape[0], shape[1], bits, group_size)
     return CheckpointSizes(kinds, names, fixed)
-
-
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class PlanError(ValueError):

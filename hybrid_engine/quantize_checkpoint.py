@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .checkpoint_formats import compressed_tensors, stored_quantization
+from .checkpoint_formats.compressed_tensors import PackQuantized
 from .kernels.linear import LinearMethod
 from .kernels.linear.quantized import QuantizedLinearMethod, quantize
 from .kernels.linear.reference import shard_names
@@ -121,13 +122,13 @@ def write_checkpoint(src: str | Path, dst: str | Path, bits: dict[str, int], gro
     return list(quantized)
 
 
-def _config_groups(quantized: dict[str, int], group_size: int) -> list[tuple[compressed_tensors.PackQuantized, list[str]]]:
+def _config_groups(quantized: dict[str, int], group_size: int) -> list[tuple[PackQuantized, list[str]]]:
     """One group per bit width: a single one targets every Linear (what llm-compressor writes; the
     `ignore` list names the rest), several list their modules by name."""
     widths = sorted(set(quantized.values()))
     if len(widths) == 1:
-        return [(compressed_tensors.PackQuantized(widths[0], group_size), ["Linear"])]
-    return [(compressed_tensors.PackQuantized(b, group_size),
+        return [(PackQuantized(widths[0], group_size), ["Linear"])]
+    return [(PackQuantized(b, group_size),
              sorted(key.removesuffix(".weight") for key, kb in quantized.items() if kb == b)) for b in widths]
 
 
@@ -163,6 +164,7 @@ def write_planned(src: str | Path, dst: str | Path, max_bytes: int, windows: lis
     _check_paths(Path(src), Path(dst))                 # before minutes of measuring, as is the budget
     sizes = checkpoint_sizes(src, quantized_names(src, Quantization("int4", group_size)), group_size)
     check_budget(sizes.kinds, sizes.fixed, max_bytes)
+    Path(dst).absolute().parent.mkdir(parents=True, exist_ok=True)     # the copies measured are written there
     kl = measure_sensitivity(src, sizes.names, windows, group_size, Path(dst).absolute().parent, on_run)
     plan = choose_plan(sizes.kinds, kl, sizes.fixed, max_bytes)
     bits = {name: plan[kind] for kind, kind_names in sizes.names.items() if plan[kind] is not FLOAT

@@ -80,7 +80,8 @@ def test_plans_fit_and_more_budget_never_costs_more(case, budget, more):
 @given(kinds(), st.integers(0, 100))
 def test_all_float_when_it_fits_and_int4_when_only_that_fits(case, spare):
     sizes, sens, fixed = case
-    assert set(choose_plan(sizes, sens, fixed, total({k: FLOAT for k in sizes}, sizes, fixed) + spare).values()) == {FLOAT}
+    all_float = total({k: FLOAT for k in sizes}, sizes, fixed)
+    assert set(choose_plan(sizes, sens, fixed, all_float + spare).values()) == {FLOAT}
     assert set(choose_plan(sizes, sens, fixed, total({k: 4 for k in sizes}, sizes, fixed)).values()) == {4}
 
 
@@ -206,6 +207,7 @@ def mixed_checkpoint(dense, tmp_path_factory):
 
 
 OUT = "model.layers.0.linear_attn.out_proj"          # int4 in mixed_bits
+K_PROJ = "model.layers.3.self_attn.k_proj"            # int8 there, as its q_proj and v_proj
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -213,11 +215,15 @@ OUT = "model.layers.0.linear_attn.out_proj"          # int4 in mixed_bits
      f"{OUT} is matched by the targets of group_0 and group_1"),
     (lambda q: q["config_groups"]["group_0"]["targets"].remove(OUT), f"no group's targets match {OUT}"),
     (lambda q: q["config_groups"]["group_0"]["targets"].append("re:(["), "is not a regex"),
+    (lambda q: (q["config_groups"]["group_1"]["targets"].remove(K_PROJ),
+                q["config_groups"]["group_0"]["targets"].append(K_PROJ)),
+     "load as one layer layers.3.self_attn.qkv_proj but the checkpoint gives them different schemes"),
 ])
 def test_a_module_in_two_groups_or_none_is_one_error(mixed_checkpoint, tmp_path, edit, message):
     from hybrid_engine import EngineConfig, LLMEngine
     quant = json.loads((mixed_checkpoint / "config.json").read_text())["quantization_config"]
-    assert OUT in quant["config_groups"]["group_0"]["targets"] and quant["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    int4 = quant["config_groups"]["group_0"]
+    assert OUT in int4["targets"] and int4["weights"]["num_bits"] == 4
     broken = broken_copy(mixed_checkpoint, tmp_path / "broken", edit)
     with pytest.raises(CheckpointError, match=message):
         LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
