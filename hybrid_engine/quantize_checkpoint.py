@@ -155,11 +155,11 @@ def write_planned(src: str | Path, dst: str | Path, max_bytes: int, windows: lis
                   group_size: int = 32, progress=None, on_run=None) -> dict:
     """`hybrid-engine quantize --plan auto`: measures each kind's sensitivity on the calibration
     token windows (sensitivity.py), chooses each kind's precision within max_bytes
-    (quantization_plan.py) and writes the checkpoint with the plan in its quantization_config;
+    (quantization_plan.py) and writes the checkpoint with the plan in its config.json (PLAN_KEY);
     -> the plan as written there. calibration: what the windows are, for the record. PlanError
     before any measuring when even every kind at int4 does not fit."""
     from .quantization_plan import FLOAT, check_budget, checkpoint_sizes, choose_plan
-    from .sensitivity import measure_sensitivity
+    from .sensitivity import TOP_K, UNMEASURED_KINDS, measure_sensitivity
 
     _check_paths(Path(src), Path(dst))                 # before minutes of measuring, as is the budget
     sizes = checkpoint_sizes(src, quantized_names(src, Quantization("int4", group_size)), group_size)
@@ -170,7 +170,8 @@ def write_planned(src: str | Path, dst: str | Path, max_bytes: int, windows: lis
     bits = {name: plan[kind] for kind, kind_names in sizes.names.items() if plan[kind] is not FLOAT
             for name in kind_names}
     record = {"method": "auto", "measure": "mean KL(float || the kind alone quantized) of the next-token "
-                                           "distributions, over each run's top 64 and the rest",
+                                           f"distributions, over each run's top {TOP_K} and the rest",
+              "not_run": sorted(set(UNMEASURED_KINDS) & set(plan)),          # KL 0: not in the scored forward
               "calibration": calibration, "windows": len(windows), "ctx_size": len(windows[0]),
               "group_size": group_size, "max_bytes": max_bytes, "total_bytes": sizes.total(plan),
               "fixed_bytes": sizes.fixed,

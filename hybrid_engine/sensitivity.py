@@ -19,6 +19,7 @@ cost is draft acceptance, which this does not measure.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -66,7 +67,7 @@ def measure_sensitivity(src: str | Path, kinds: dict[str, set[str]], windows: li
                     copy = Path(work) / f"{kind}-int{bits}"
                     write_checkpoint(src, copy, dict.fromkeys(names, bits), group_size)
                     kl = _kl(base, _score(copy, windows))
-                    _remove(copy)
+                    shutil.rmtree(copy)
                 result[kind][bits] = kl
                 if on_run is not None:
                     on_run(kind, bits, kl)
@@ -88,9 +89,3 @@ def _kl(base, run) -> float:
     from .kl_divergence import kl_divergence
 
     return max(kl_divergence(base, run).kl[0], 0.0)       # rounding may leave a hair below 0
-
-
-def _remove(folder: Path) -> None:
-    for f in folder.iterdir():
-        f.unlink()
-    folder.rmdir()

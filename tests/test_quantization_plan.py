@@ -175,7 +175,7 @@ def test_written_plan_respects_its_budget(dense, tmp_path):
     assert {row["bits"] for row in plan["kinds"].values()} >= {4, 8}
     for kind, row in plan["kinds"].items():
         assert (row["kl_int4"] > row["kl_int8"] > 0) or kind == "mtp", (kind, row)
-    assert plan["calibration"] == "test windows" and plan["max_bytes"] == budget
+    assert plan["calibration"] == "test windows" and plan["max_bytes"] == budget and plan["not_run"] == ["mtp"]
     assert greedy_runs(mtp_engine(tmp_path / "mid"))                       # it loads and runs
 
     tight = write_planned(dense, tmp_path / "tight", int4, WINDOWS, "test windows")
