@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from .kernels.linear import LinearMethod
 from .kernels.linear.reference import shard_names
 from .kernels.linear.quantized import QuantizedLinearMethod, check_scheme, native_takes
+from .models.config import CheckpointError
 
 METHODS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = 32                    # llama.cpp's Q8_0 / Q4_0 block
@@ -122,42 +123,59 @@ class QuantizedLayers:
                         ", ".join(self.kept_float[:5]) + (" ..." if len(self.kept_float) > 5 else ""))
 
 
-class CheckpointLayers(QuantizedLayers):
+class CheckpointLayers:
     """The same for a checkpoint stored quantized (hybrid_engine/checkpoint_formats/): a
     projection is quantized where the checkpoint holds it so (its format's tensors beside its
     name), each shard of a merged one on its own (GDN's b / a float beside a quantized in_proj),
     as the checkpoint's own choice rules (a quantized MTP head loads quantized, a 16-bit one
-    stays 16-bit); so are a MoE layer's experts, stored per expert (routed experts quantized
-    beside a float shared expert load so)."""
+    stays 16-bit), in the scheme the checkpoint gives that module (`scheme_for`: a
+    compressed-tensors checkpoint may hold int4 and int8 modules side by side); so are a MoE
+    layer's experts, stored per expert (routed experts quantized beside a float shared expert
+    load so). names: the checkpoint's tensors, internal name -> stored name (models/loader.py
+    checkpoint_names)."""
 
-    def __init__(self, checkpoint, names: set[str], float_method: LinearMethod, native: bool,
+    def __init__(self, checkpoint, names: dict[str, str], float_method: LinearMethod, native: bool,
                  int8_activations: bool | None = None):
-        scheme = Quantization("int8" if checkpoint.bits == 8 else "int4", checkpoint.group_size)
-        super().__init__(scheme, float_method, native, int8_activations)
-        self.checkpoint, self.names = checkpoint, names
+        self.checkpoint, self.names, self.float_method = checkpoint, names, float_method
+        self.native, self.int8_activations = native, int8_activations
 
     def __call__(self, name: str, layer) -> LinearMethod | None:
         if not hasattr(layer, "shards"):
             return self._stored_experts(name, layer)
         projections = [base for base, _ in shard_names(layer, name)]
-        quantized = [base for base in projections if f"{base}.{self.checkpoint.marker}" in self.names]
+        marker = self.checkpoint.marker
+        quantized = [base for base in projections if f"{base}.{marker}" in self.names]
         if not quantized:
             return self.float_method
+        # a merged layer runs one scheme: its quantized parts must share it (vLLM requires the same)
+        schemes = {base: self.checkpoint.scheme_for(self.names[f"{base}.{marker}"].removesuffix(f".{marker}"))
+                   for base in quantized}
+        scheme = schemes[quantized[0]]
+        if any(s != scheme for s in schemes.values()):
+            given = ", ".join(f"int{s.bits} in groups of {s.group_size}" for s in schemes.values())
+            raise CheckpointError(f"the projections {quantized} load as one layer {name} but the checkpoint "
+                                  f"gives them different schemes: {given}")
         float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
-        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
-                                     float_shards=float_shards, int8_activations=self.int8_activations,
-                                     checkpoint=self.checkpoint, float_method=self.float_method)
+        native = self.native and native_takes(scheme.group_size)
+        int8_activations = native if self.int8_activations is None else self.int8_activations
+        return QuantizedLinearMethod(scheme.bits, scheme.group_size, native=native, float_shards=float_shards,
+                                     int8_activations=int8_activations, checkpoint=scheme,
+                                     float_method=self.float_method)
 
     def _stored_experts(self, name: str, experts) -> LinearMethod | None:
         """A MoE layer's experts as per-expert projection layers where the checkpoint stores any
         of them quantized (`experts.{e}.gate_proj.<marker>`, ...): each layer is then chosen for on
         its own (`__call__`), as stored; None: float, stacked."""
-        stored = (f"{name}.{e}.{proj}.{self.checkpoint.marker}" for e in range(experts.num_experts)
-                  for proj in ("gate_proj", "up_proj", "down_proj"))
-        if not any(n in self.names for n in stored):
+        marker = self.checkpoint.marker
+        stored = [self.names[n] for e in range(experts.num_experts) for proj in ("gate_proj", "up_proj", "down_proj")
+                  if (n := f"{name}.{e}.{proj}.{marker}") in self.names]
+        if not stored:
             return None
-        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
-                                     int8_activations=self.int8_activations, checkpoint=self.checkpoint)
+        scheme = self.checkpoint.scheme_for(stored[0].removesuffix(f".{marker}"))
+        native = self.native and native_takes(scheme.group_size)
+        return QuantizedLinearMethod(scheme.bits, scheme.group_size, native=native,
+                                     int8_activations=native if self.int8_activations is None else self.int8_activations,
+                                     checkpoint=scheme)
 
     def progress_bar(self, layers):
         return layers                                  # nothing to quantize: the layers only repack
@@ -221,8 +239,7 @@ def quantized_layers(config, float_method: LinearMethod, kernels, gguf_file=None
     stored = None if gguf_file is not None else stored_quantization(config.model)
     if stored is not None:
         if scheme is not None:
-            raise ValueError(f"{config.model} is stored quantized already (int{stored.bits}, groups of "
-                             f"{stored.group_size}): leave quantization unset")
+            raise ValueError(f"{config.model} is stored quantized already: leave quantization unset")
         return CheckpointLayers(stored, checkpoint_names(config.model), float_method, native)
     if scheme is None:
         return None

@@ -164,20 +164,20 @@ def _check_shape(what: str, found: tuple[int, ...], want: tuple[int, ...], file:
         )
 
 
-def checkpoint_names(folder: str | Path) -> set[str]:
-    """The internal names of every tensor in `folder`'s safetensors files (headers only), a
-    grouped in_proj_qkvz's under the names of the parts it loads as too."""
+def checkpoint_names(folder: str | Path) -> dict[str, str]:
+    """The internal names of every tensor in `folder`'s safetensors files (headers only) -> the
+    name each is stored under; a grouped in_proj_qkvz's under the names of the parts it loads as too."""
     files, _ = _list_files(Path(folder))
-    names = set()
+    names = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                names.update(n for n in map(map_name, f.keys()) if n is not None)
+                names.update((map_name(key), key) for key in f.keys() if map_name(key) is not None)
         except Exception as e:
             raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
-    for name in list(names):
+    for name, key in list(names.items()):
         if m := _QKVZ_RE.match(name):
-            names.update(f"{m['prefix']}.{part}.{m['suffix']}" for part in ("in_proj_qkv", "in_proj_z"))
+            names.update((f"{m['prefix']}.{part}.{m['suffix']}", key) for part in ("in_proj_qkv", "in_proj_z"))
     return names
 
 

@@ -61,7 +61,7 @@ def as_fp8(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 FORMATS = {
     "compressed-tensors": (as_compressed_tensors, "weight_scale", compressed_tensors.quantization_config(
-        compressed_tensors.PackQuantized(4, GROUP), ["lm_head"])),
+        [(compressed_tensors.PackQuantized(4, GROUP), ["Linear"])], ["lm_head"])),
     "gptq": (as_gptq, "scales", {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
                                  "sym": True, "checkpoint_format": "gptq"}),
     "fp8": (as_fp8, "weight_scale_inv", fp8.quantization_config((128, 128), ["lm_head"])),

@@ -7,19 +7,25 @@ A quantized projection `X` is stored as
     X.weight_scale   float [out, in / group_size]: W = q * scale
     X.weight_shape   int [2]: (out, in)
 with config.json's `quantization_config`: {"quant_method": "compressed-tensors", "format":
-"pack-quantized", "config_groups": {NAME: {"targets": ["Linear"], "weights": {"num_bits": 4 | 8,
+"pack-quantized", "config_groups": {NAME: {"targets": [...], "weights": {"num_bits": 4 | 8,
 "type": "int", "symmetric": true, "strategy": "group", "group_size": G, ...}}}, "ignore": [...]}.
 Which projections are quantized is read from the tensors themselves (a `weight_packed` beside
-the name), so an `ignore` list written any way works. Supported here: one config group, int,
-symmetric, group strategy with a group size the kernel takes (a multiple of 32); anything else
-is refused with the field that says so. Zero points (asymmetric) and activation ordering
-(`actorder`, g_idx) are not read yet.
+the name), so an `ignore` list written any way works; which group's scheme a quantized one has,
+from the groups' `targets`, by compressed-tensors' own rules (utils/match.py): a target is a
+module name (the checkpoint's, `model.layers.0.mlp.down_proj`), `re:` and a regex matched from
+the name's start (re.match), or a class name (`Linear`: every projection). A quantized module
+that no group or two groups match is one error naming it. Supported here: int, symmetric, group
+strategy with a group size the kernel takes (a multiple of 32); anything else is refused with
+the field that says so. Zero points (asymmetric) and activation ordering (`actorder`, g_idx)
+are not read yet.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+
 import torch
 
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
@@ -69,18 +75,66 @@ def unpack_int32(packed: torch.Tensor, bits: int, in_features: int) -> torch.Ten
     return (unpack_fields(packed, bits, dim=1)[:, :in_features] - (1 << (bits - 1))).to(torch.int8)
 
 
-def read_config(quant: dict, where: str) -> PackQuantized:
-    """quantization_config (quant_method compressed-tensors) -> its scheme; CheckpointError naming
+CLASS_TARGETS = ("Linear",)         # the class every projection is (the one class name a target here names)
+
+
+@dataclass(frozen=True)
+class ConfigGroups:
+    """A checkpoint's config groups: (name, targets, scheme) each; `scheme_for` says which one a
+    quantized module loads with."""
+    groups: tuple[tuple[str, tuple[str, ...], PackQuantized], ...]
+    where: str
+    marker: str = "weight_packed"
+
+    def scheme_for(self, module: str) -> PackQuantized:
+        """module: its checkpoint name (`model.layers.0.mlp.down_proj`), quantized in the checkpoint."""
+        found = [(name, scheme) for name, targets, scheme in self.groups
+                 if any(target_matches(target, module) for target in targets)]
+        if not found:
+            raise CheckpointError(f"{self.where}.config_groups: no group's targets match {module}, which the "
+                                  "checkpoint holds quantized")
+        if len(found) > 1:
+            raise CheckpointError(f"{self.where}.config_groups: {module} is matched by the targets of "
+                                  f"{' and '.join(name for name, _ in found)}; a module belongs to one group")
+        return found[0][1]
+
+
+def target_matches(target: str, module: str) -> bool:
+    """compressed-tensors' match of a target and a projection module's name."""
+    if target.startswith("re:"):
+        return re.match(target.removeprefix("re:"), module) is not None
+    return target == module or target in CLASS_TARGETS
+
+
+def read_config(quant: dict, where: str) -> ConfigGroups:
+    """quantization_config (quant_method compressed-tensors) -> its groups; CheckpointError naming
     the field for one this engine does not read."""
     if quant.get("format") != FORMAT:
         raise CheckpointError(f"{where}.format {quant.get('format')!r} is not supported (only {FORMAT!r})")
     groups = quant.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        raise CheckpointError(f"{where}.config_groups must hold exactly one group, got "
-                              f"{len(groups) if isinstance(groups, dict) else groups!r}")
-    (group_name, group), = groups.items()
-    weights = group.get("weights") if isinstance(group, dict) else None
-    field = f"{where}.config_groups.{group_name}.weights"
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{where}.config_groups must hold at least one group, got {groups!r}")
+    return ConfigGroups(tuple((name, _read_targets(group, f"{where}.config_groups.{name}"),
+                               _read_group(group, f"{where}.config_groups.{name}"))
+                              for name, group in groups.items()), where)
+
+
+def _read_targets(group, field: str) -> tuple[str, ...]:
+    targets = group.get("targets") if isinstance(group, dict) else None
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise CheckpointError(f"{field}.targets must be a non-empty list of names, got {targets!r}")
+    for target in targets:
+        if target.startswith("re:"):
+            try:
+                re.compile(target.removeprefix("re:"))
+            except re.error as e:
+                raise CheckpointError(f"{field}.targets: {target!r} is not a regex: {e}") from None
+    return tuple(targets)
+
+
+def _read_group(group: dict, where: str) -> PackQuantized:
+    weights = group.get("weights")
+    field = f"{where}.weights"
     if not isinstance(weights, dict):
         raise CheckpointError(f"{field} is missing")
     expected = {"type": "int", "symmetric": True, "strategy": "group"}
@@ -90,7 +144,7 @@ def read_config(quant: dict, where: str) -> PackQuantized:
     if weights.get("actorder") not in (None, False):
         raise CheckpointError(f"{field}.actorder {weights.get('actorder')!r} is not supported")
     if group.get("input_activations") is not None:
-        raise CheckpointError(f"{where}.config_groups.{group_name}.input_activations is set: only weight-only "
+        raise CheckpointError(f"{where}.input_activations is set: only weight-only "
                               "quantization (W4A16, W8A16) is supported")
     bits, group_size = weights.get("num_bits"), weights.get("group_size")
     if bits not in (4, 8):
@@ -104,15 +158,16 @@ def read_config(quant: dict, where: str) -> PackQuantized:
     return PackQuantized(bits, group_size)
 
 
-def quantization_config(scheme: PackQuantized, ignore: list[str]) -> dict:
-    """config.json's quantization_config for checkpoints `hybrid-engine quantize` writes."""
+def quantization_config(groups: list[tuple[PackQuantized, list[str]]], ignore: list[str]) -> dict:
+    """config.json's quantization_config for checkpoints `hybrid-engine quantize` writes: one
+    config group per (scheme, its targets)."""
     return {
         "quant_method": QUANT_METHOD, "format": FORMAT, "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
+        "config_groups": {f"group_{i}": {
+            "targets": list(targets),
             "weights": {"num_bits": scheme.bits, "type": "int", "symmetric": True, "strategy": "group",
                         "group_size": scheme.group_size, "dynamic": False, "actorder": None,
                         "observer": "minmax"},
-            "input_activations": None, "output_activations": None}},
+            "input_activations": None, "output_activations": None} for i, (scheme, targets) in enumerate(groups)},
         "ignore": sorted(ignore),
     }

@@ -43,6 +43,9 @@ class Fp8Blocks:
     group_size: int = REQUANTIZED_GROUP
     marker: str = "weight_scale_inv"       # the tensor beside a projection that says it is FP8
 
+    def scheme_for(self, module: str):
+        return self                          # one scheme for every quantized module
+
     def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
         return {"weight": (rows, in_features),
                 "weight_scale_inv": (math.ceil(rows / self.block_rows), math.ceil(in_features / self.block_cols))}

@@ -36,6 +36,9 @@ class Gptq:
     zero_offset: int                         # v1 stores each zero point less one
     marker: str = "qweight"
 
+    def scheme_for(self, module: str):
+        return self                          # one scheme for every quantized module
+
     def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
         groups = in_features // self.group_size
         return {"qweight": (in_features * self.bits // 32, rows), "qzeros": (groups, rows * self.bits // 32),
