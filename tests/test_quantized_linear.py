@@ -227,6 +227,20 @@ def test_method_runs_asymmetric_weights(native, bits):
     assert torch.equal(layer.rows(torch.tensor([0, 39, 7])), dequantize(qw)[[0, 39, 7]])
 
 
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+def test_method_takes_symmetric_int8_of_minus_128(native):
+    """Symmetric int8 formats may store -128 (compressed-tensors' and GPTQ's int8 codes reach
+    it): the forms without VNNI cannot negate it, so such weights run with zero points 0."""
+    qw = quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(3)), 8, 32)
+    qw = qw._replace(values=qw.values.clone().index_fill_(1, torch.tensor([0, 5, 40]), -128))
+    layer = _layer(torch.zeros(32, 64), QuantizedLinearMethod(8, 32, native=native))
+    layer.method.load_quantized(layer, qw, None, torch.float32)
+    assert layer.qzeros is not None and not layer.qzeros.any()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    q, scales = pack(qw)
+    assert torch.equal(layer(x), quant_linear_reference(x, q, scales, 8, 32, int8_activations=native))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_method_rows_are_the_dequantized_rows(dtype):
     w = torch.randn(40, 64)

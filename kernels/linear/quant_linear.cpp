@@ -38,8 +38,9 @@
 // the sums are the same exact integers, so the float steps and the reference's bits are too.
 // Asymmetric int8 values reach -128, which the symmetric forms without VNNI cannot negate: the
 // zero-point forms give x the weight's sign instead and read |w| (128 too) unsigned (at most
-// 2 x 128 x 127, which fits). The symmetric forms are a template of their own (ZP = false), so
-// zero points cost them nothing.
+// 2 x 128 x 127, which fits); symmetric int8 weights holding -128 are loaded with zero points 0
+// for that reason (QuantizedLinearMethod.load_quantized). The symmetric forms are a template of
+// their own (ZP = false), so zero points cost them nothing.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -333,6 +333,10 @@ class QuantizedLinearMethod(LinearMethod):
             raise ValueError(f"int{qw.bits} weights in groups of {qw.group_size} handed to a method of "
                              f"int{self.bits} in groups of {self.group_size}")
         layer.quantized_rows = qw.values.shape[0]
+        if qw.zeros is None and qw.bits == 8 and int(qw.values.min()) == -128:
+            # the symmetric int8 forms without VNNI multiply |x| by the weight with x's sign,
+            # and -(-128) does not fit a byte: the zero-point forms take -128 (zero points 0)
+            qw = qw._replace(zeros=torch.zeros_like(qw.scales, dtype=torch.int8))
         layer.qweight, layer.qscales = pack(qw)
         layer.qzeros = pack_zeros(qw)
         layer.input_order = qw.input_order
