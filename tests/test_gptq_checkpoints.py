@@ -56,7 +56,8 @@ def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group
                                   if desc_act else torch.arange(cols))
         if sym:                                                    # groups over the ordered columns
             qw = quantize(w[:, order], bits, group)
-            codes, zeros, scales = qw.values.to(torch.int64) + middle, torch.full_like(qw.scales, middle).long(), qw.scales
+            codes, scales = qw.values.to(torch.int64) + middle, qw.scales
+            zeros = torch.full(scales.shape, middle)
         else:
             codes, zeros, scales = asymmetric_codes(w[:, order], bits, group, seed=len(as_gptq),
                                                     lowest_zero=1 if version == "gptq" else 0)
@@ -68,7 +69,8 @@ def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group
         as_gptq[f"{base}.qzeros"] = pack_fields(zeros.t() - (1 if version == "gptq" else 0), bits, dim=1)
         as_gptq[f"{base}.scales"] = scales.t().contiguous()
         as_gptq[f"{base}.g_idx"] = g_idx
-        dequantized[name] = torch.empty_like(w).index_copy_(1, order, asymmetric_dequantized(codes, zeros, scales, group))
+        values = asymmetric_dequantized(codes, zeros, scales, group)
+        dequantized[name] = torch.empty_like(w).index_copy_(1, order, values)
     for folder, out in ((gptq_dir, as_gptq), (float_dir, dequantized)):
         folder.mkdir()
         save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})

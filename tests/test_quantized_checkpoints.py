@@ -189,7 +189,8 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale"
     (lambda q: q.update(quant_method="awq"), None, "quant_method 'awq' is not supported; this engine reads "
                                                    "'compressed-tensors', 'fp8', 'gptq'"),
     (lambda q: q.update(format="int-quantized"), None, "format 'int-quantized' is not supported"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric="no"), None, "symmetric is 'no', not true or false"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric="no"), None,
+     "symmetric is 'no', not true or false"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), None, "num_bits 3 is not supported"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48), None, "group_size 48 is not a multiple"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), None, "actorder 'group'"),

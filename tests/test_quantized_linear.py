@@ -82,7 +82,8 @@ def test_pack_and_unpack_round_trip_with_zero_points(bits, group, rows, groups, 
     assert zeros.dtype == torch.int8 and zeros.shape == scales.shape == (-(-rows // 16), groups, 16)
     full = unpack(q, scales, bits, group, zeros=zeros)
     assert torch.equal(full[:rows], dequantize(qw)) and not full[rows:].any()
-    want = (qw.values.float() - qw.zeros.float().repeat_interleave(group, 1)) * qw.scales.float().repeat_interleave(group, 1)
+    zero_at, scale_at = (t.float().repeat_interleave(group, 1) for t in (qw.zeros, qw.scales))
+    want = (qw.values.float() - zero_at) * scale_at
     assert torch.equal(dequantize(qw), want)
     ids = torch.randint(0, rows, (5,), generator=torch.Generator().manual_seed(seed))
     assert torch.equal(unpack(q, scales, bits, group, rows=ids, zeros=zeros), want[ids])

@@ -270,10 +270,11 @@ static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t*
     for (int m0 = 0; m0 < M; m0 += QMR) {
       const int rows = M - m0 < QMR ? M - m0 : QMR;
       const int n0 = b0 * 16;
-      if (nb == 4) quant_tile_rows<4, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, sstride, group, y, N, n0, store);
-      else if (nb == 3) quant_tile_rows<3, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, sstride, group, y, N, n0, store);
-      else if (nb == 2) quant_tile_rows<2, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, sstride, group, y, N, n0, store);
-      else quant_tile_rows<1, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, sstride, group, y, N, n0, store);
+      const size_t ss = sstride;
+      if (nb == 4) quant_tile_rows<4, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      else if (nb == 3) quant_tile_rows<3, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      else if (nb == 2) quant_tile_rows<2, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      else quant_tile_rows<1, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
     }
   }
 }
