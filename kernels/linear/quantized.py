@@ -51,7 +51,8 @@ class QuantizedWeight(NamedTuple):
     Asymmetric weights keep both in the formats' stored unsigned domain less its middle: codes
     q and z in [0, 2^bits - 1] are held as q - 2^(bits-1) and z - 2^(bits-1). q - z itself
     would not fit int8 (int8 codes differ by up to 255), this does exactly, and the byte the
-    kernel stores (value + 128, or + 8) is then the code q itself."""
+    kernel stores (value + 128, or + 8) is then the code q itself. A zero point may be any int8
+    (GPTQ v1's reach 2^bits: 16 at int4, held as 8)."""
     values: torch.Tensor
     scales: torch.Tensor
     bits: int
