@@ -104,14 +104,14 @@ def test_native_product_with_zero_points_against_the_reference(level, bits, grou
     for dtype in (torch.float32, torch.bfloat16):
         for m in range(1, 6):
             x = torch.randn(m, 256, generator=g).to(dtype)
-            got = product(x, q, scales, bits, group, zeros)
+            got = product(x, q, scales, zeros, bits, group)
             assert got.dtype == dtype and got.shape == (m, 48)
             assert torch.equal(got, quant_linear_reference(x, q, scales, bits, group, True, zeros)), (dtype, m)
     # the zero points matter: without them the product is another one
     x = torch.randn(2, 256, generator=g)
-    assert not torch.equal(product(x, q, scales, bits, group, zeros), product(x, q, scales, bits, group))
+    assert not torch.equal(product(x, q, scales, zeros, bits, group), product(x, q, scales, None, bits, group))
     exact = x @ dequantize(qw).t()
-    got = product(x, q, scales, bits, group, zeros)[:, :40]
+    got = product(x, q, scales, zeros, bits, group)[:, :40]
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
 
 
@@ -122,9 +122,9 @@ def test_native_product_refuses_zero_points_that_do_not_fit(level):
     qw = asymmetric_weight(16, 64, 4, 32, seed=0)
     q, scales = pack(qw)
     with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
-        product(torch.randn(1, 64), q, scales, 4, 32, pack_zeros(qw).float())
+        product(torch.randn(1, 64), q, scales, pack_zeros(qw).float(), 4, 32)
     with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
-        product(torch.randn(1, 64), q, scales, 4, 32, pack_zeros(qw)[:, :1].contiguous())
+        product(torch.randn(1, 64), q, scales, pack_zeros(qw)[:, :1].contiguous(), 4, 32)
 
 
 @needs_native

@@ -225,7 +225,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
       for (int v = 0; v < VB; v++) {
         const size_t at = j * sstride + (size_t)gi * 16 + v * simd::W;
         const simd::F sw = load_f16(sc + at);
-        simd::I z;                                 // per column: what each unit of sumx takes off
+        simd::I z = zero_i();                      // per column: what each unit of sumx takes off
         if constexpr (ZP) z = add_i32(load_i8_as_i32(zp + at), set1_i32(OFFSET));
         for (int r = 0; r < MR; r++) {
           const size_t xi = (size_t)(m0 + r) * blocks + b;

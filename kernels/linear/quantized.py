@@ -204,7 +204,7 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: i
                  zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The same with the native kernel (x quantized to int8 in blocks of 32: the process's level
     must run the kernels; group_size a multiple of 32)."""
-    return torch.ops.hybrid_engine_cpu.linear_quant.default(x, q, scales, bits, group_size, zeros)
+    return torch.ops.hybrid_engine_cpu.linear_quant.default(x, q, scales, zeros, bits, group_size)
 
 
 def native_takes(group_size: int) -> bool:

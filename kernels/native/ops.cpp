@@ -113,8 +113,8 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
 // x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, K * bits / 32, 16, 4] (four k of
 // a column per lane), scales float16 [N/16, K / group, 16], and for asymmetric weights zeros
 // int8 laid out as the scales (kernels/linear/quantized.py).
-Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, int64_t bits, int64_t group,
-                       const std::optional<Tensor>& zeros) {
+Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, const std::optional<Tensor>& zeros,
+                       int64_t bits, int64_t group) {
   const int64_t k = x.dim() ? x.size(-1) : 0;
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
   TORCH_CHECK_VALUE(group >= 32 && group % 32 == 0 && k % group == 0, "linear_quant: group ", group,
@@ -629,7 +629,7 @@ void define_ops(torch::Library& m) {
   // schemas of the ops they call, and would serve graphs compiled for the old schema.
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
   m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, int bits, int group, Tensor? zeros=None) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? zeros, int bits, int group) -> Tensor");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");

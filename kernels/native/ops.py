@@ -29,7 +29,7 @@ from .build import library_name, load_ops
 BLOCK = 16          # output columns per block of a blocked weight (kernels/linear/blocked.py)
 FAKES = {
     "linear_blocked": lambda x, w_blocked, widen: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK),
-    "linear_quant": lambda x, q, scales, bits, group, zeros=None: x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK),
+    "linear_quant": lambda x, q, scales, zeros, bits, group: x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK),
     "blocked_rows": lambda w_blocked, ids, k: w_blocked.new_empty(ids.shape[0], k),
     "mlp_blocked": lambda x, gate_up_blocked, down_blocked: x.new_empty(*x.shape[:-1], down_blocked.shape[0] * BLOCK),
     "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
