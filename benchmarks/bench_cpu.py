@@ -123,15 +123,16 @@ def make_engine(folder: str, dtype: str, max_batch: int, compile: bool = False, 
 
 def quantized_weight_bytes(model) -> dict:
     """What a loaded model's quantized projections hold, against the float weights they replace:
-    packed (their int8 / int4 values, float16 scales and any float tail rows, as the kernel
-    reads them) and float (their weights' shapes at the activation dtype). A decode step reads
-    the packed bytes in place of the float ones; the rest of the model is read as before."""
+    packed (their int8 / int4 values, float16 scales, any zero points and float tail rows, as
+    the kernel reads them) and float (their weights' shapes at the activation dtype). A decode
+    step reads the packed bytes in place of the float ones; the rest of the model is read as
+    before."""
     packed = float_equivalent = layers = 0
     for module in model.modules():
         if getattr(module, "qweight", None) is None:
             continue
-        tail = getattr(module, "float_tail", None)
-        packed += module.qweight.nbytes + module.qscales.nbytes + (tail.nbytes if tail is not None else 0)
+        extras = (getattr(module, name, None) for name in ("qzeros", "float_tail"))
+        packed += module.qweight.nbytes + module.qscales.nbytes + sum(t.nbytes for t in extras if t is not None)
         float_equivalent += module.weight.numel() * module.weight.element_size()   # a meta tensor: shape and dtype
         layers += 1
     return {"packed": packed, "float": float_equivalent, "layers": layers}

@@ -31,6 +31,7 @@ from typing import Iterable, Mapping
 import torch
 from safetensors import safe_open
 
+from ..checkpoint_formats.int32_fields import pack_fields, unpack_fields
 from .config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,8 +52,10 @@ def stored_as_is(name: str) -> bool:
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # (a quantized checkpoint stores the grouped in_proj_qkvz's packed values and scales row by row
-# as the float weight: each de-interleaves the same way)
-_QKVZ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_qkvz\.(?P<suffix>weight|weight_packed|weight_scale|weight_shape)$")
+# as the float weight: each de-interleaves the same way; its zero points are packed along the
+# rows, so they are unpacked to rows, de-interleaved and packed again)
+_QKVZ_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_qkvz\."
+                      r"(?P<suffix>weight|weight_packed|weight_scale|weight_shape|weight_zero_point)$")
 _BA_RE = re.compile(r"^(?P<prefix>.*\.linear_attn)\.in_proj_ba\.weight$")
 
 
@@ -379,7 +382,10 @@ def load_weights(
                 out[name] = torch.stack([cast(read(projs["down_proj"][e])) for e in range(len(projs["down_proj"]))])
             elif kind == "qkvz":
                 prefix, suffix = arg
-                qkv, z = split_qkvz(read(qkvz[arg]), config, rows_only=suffix == "weight_shape")
+                if suffix == "weight_zero_point":
+                    qkv, z = split_packed_qkvz(read(qkvz[arg]), config)
+                else:
+                    qkv, z = split_qkvz(read(qkvz[arg]), config, rows_only=suffix == "weight_shape")
                 keep = read_as_stored if stored_as_is(suffix) else cast
                 out[f"{prefix}.in_proj_qkv.{suffix}"], out[f"{prefix}.in_proj_z.{suffix}"] = keep(qkv), keep(z)
             elif kind == "ba":
@@ -449,6 +455,14 @@ def _check_qkvz(config: ModelConfig, src: _Source, wanted: Mapping[str, tuple], 
     if suffix == "weight_shape":
         _check_shape(src.key, src.shape, (2,), src.file)
         return
+    if suffix == "weight_zero_point":
+        bits = _packed_row_bits(src.shape[0], 2 * hk * dk + 2 * hv * dv)
+        groups = src.shape[1] if len(src.shape) == 2 else -1
+        _check_shape(src.key, src.shape, (-(-(2 * hk * dk + 2 * hv * dv) * bits // 32), groups), src.file)
+        for what, want, rows in (("in_proj_qkv", qkv_w, 2 * hk * dk + hv * dv), ("in_proj_z", z_w, hv * dv)):
+            if want is not None:
+                _check_shape(f"{prefix}.{what}.{suffix} (from {src.key})", want, (-(-rows * bits // 32), groups))
+        return
     hidden = _hidden_from((qkv_w, z_w), src)
     _check_shape(src.key, src.shape, (2 * hk * dk + 2 * hv * dv, hidden), src.file)
     if qkv_w is not None:
@@ -481,6 +495,22 @@ def split_qkvz(w: torch.Tensor, config: ModelConfig, rows_only: bool = False) ->
     q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
     qkv = torch.cat([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hv * dv, -1)], dim=0)
     return qkv, z.reshape(hv * dv, -1).clone()
+
+
+def _packed_row_bits(packed_rows: int, rows: int) -> int:
+    """The field width (4 or 8 bits) at which `rows` pack into `packed_rows` int32 words (4 where
+    neither does: the shape check then names the tensor)."""
+    return next((bits for bits in (4, 8) if packed_rows == -(-rows * bits // 32)), 4)
+
+
+def split_packed_qkvz(packed: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compressed-tensors in_proj_qkvz.weight_zero_point (int32 fields packed along the rows)
+    -> the parts' own, each packed the same way."""
+    hk, hv, dk, dv, r = _gdn_dims(config)
+    rows = 2 * hk * dk + 2 * hv * dv
+    bits = _packed_row_bits(packed.shape[0], rows)
+    qkv, z = split_qkvz(unpack_fields(packed, bits, dim=0)[:rows], config)
+    return pack_fields(qkv, bits, dim=0), pack_fields(z, bits, dim=0)
 
 
 def split_ba(w: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
-"""GPTQ checkpoints (hybrid_engine/checkpoint_formats/gptq.py): symmetric int4 / int8, v1 and v2
-zero points, with and without act-order (desc_act: scattered groups, x gathered into the stored
-column order): a GPTQ checkpoint runs as the float checkpoint of its dequantized weights (the
-plain path on the same weights: the torch backend, float x), and the native kernel as its torch
-reference on the same gathered x; broken or unsupported ones are one error naming the tensor
-or field."""
+"""GPTQ checkpoints (hybrid_engine/checkpoint_formats/gptq.py): int4 / int8, symmetric and with
+real zero points (sym: false), v1 and v2 zero points, with and without act-order (desc_act:
+scattered groups, x gathered into the stored column order): a GPTQ checkpoint runs as the float
+checkpoint of its dequantized weights (the plain path on the same weights: the torch backend,
+float x), and the native kernel as its torch reference on the same gathered x; broken or
+unsupported ones are one error naming the tensor or field."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from safetensors.torch import load_file, save_file
 from hybrid_engine import EngineConfig, LLMEngine
 from hybrid_engine.checkpoint_formats.int32_fields import pack_fields
 from hybrid_engine.kernels.backends import native_cpu_available
-from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, quantize
+from hybrid_engine.checkpoint_formats.gptq import Gptq
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
 from hybrid_engine.models.config import CheckpointError
 
-from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
+from quantized_checkpoints import asymmetric_codes, asymmetric_dequantized, broken_copy, greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # GPTQ releases quantize the projections, each MoE expert's too; lm_head, the embeddings, GDN's
 # b / a, mtp.fc and the router stay 16-bit
 GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
@@ -37,10 +38,11 @@ def _is_gptq(name: str) -> bool:
 
 
 def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group: int, desc_act: bool,
-                    version: str = "gptq") -> None:
+                    version: str = "gptq", sym: bool = True) -> None:
     """A GPTQ copy of `src` and a float copy of its dequantized values. With desc_act each input
     width gets one random column order (projections that read the same input share it, as
-    GPTQ's order comes from that input's statistics)."""
+    GPTQ's order comes from that input's statistics). sym=False: random zero points (at least
+    1 for v1, which stores each less one)."""
     tensors = load_file(str(src / "model.safetensors"))
     orders: dict[int, torch.Tensor] = {}
     as_gptq, dequantized = {}, {}
@@ -52,25 +54,30 @@ def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group
         out, cols = w.shape
         order = orders.setdefault(cols, torch.randperm(cols, generator=torch.Generator().manual_seed(cols))
                                   if desc_act else torch.arange(cols))
-        qw = quantize(w[:, order], bits, group)                    # groups over the ordered columns
-        values = torch.empty_like(qw.values).index_copy_(1, order, qw.values)      # back in stored order
+        if sym:                                                    # groups over the ordered columns
+            qw = quantize(w[:, order], bits, group)
+            codes, scales = qw.values.to(torch.int64) + middle, qw.scales
+            zeros = torch.full(scales.shape, middle)
+        else:
+            codes, zeros, scales = asymmetric_codes(w[:, order], bits, group, seed=len(as_gptq),
+                                                    lowest_zero=1 if version == "gptq" else 0)
+        stored = torch.empty_like(codes).index_copy_(1, order, codes)            # back in stored order
         g_idx = torch.empty(cols, dtype=torch.int32).index_copy_(
             0, order, (torch.arange(cols) // group).to(torch.int32))
         base = name.removesuffix(".weight")
-        as_gptq[f"{base}.qweight"] = pack_fields((values.to(torch.int64) + middle).t(), bits, dim=0)
-        zeros = torch.full((cols // group, out), middle - (1 if version == "gptq" else 0))
-        as_gptq[f"{base}.qzeros"] = pack_fields(zeros, bits, dim=1)
-        as_gptq[f"{base}.scales"] = qw.scales.t().contiguous()
+        as_gptq[f"{base}.qweight"] = pack_fields(stored.t(), bits, dim=0)
+        as_gptq[f"{base}.qzeros"] = pack_fields(zeros.t() - (1 if version == "gptq" else 0), bits, dim=1)
+        as_gptq[f"{base}.scales"] = scales.t().contiguous()
         as_gptq[f"{base}.g_idx"] = g_idx
-        scales = qw.scales.float().repeat_interleave(group, 1)
-        dequantized[name] = torch.empty_like(w).index_copy_(1, order, qw.values.float() * scales)
+        values = asymmetric_dequantized(codes, zeros, scales, group)
+        dequantized[name] = torch.empty_like(w).index_copy_(1, order, values)
     for folder, out in ((gptq_dir, as_gptq), (float_dir, dequantized)):
         folder.mkdir()
         save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
         config = json.loads((src / "config.json").read_text())
         if folder == gptq_dir:
             config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                                             "desc_act": desc_act, "sym": True, "checkpoint_format": version}
+                                             "desc_act": desc_act, "sym": sym, "checkpoint_format": version}
         (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -98,9 +105,25 @@ def test_gptq_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path, bits, g
         torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("bits,group,desc_act,version", [(4, 32, True, "gptq"), (8, 32, False, "gptq_v2"),
+                                                         (8, 64, True, "gptq")])
+def test_asymmetric_gptq_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path, bits, group, desc_act, version):
+    """sym: false, real zero points: the float32 run of the dequantized weights, 32 greedy steps."""
+    write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", bits, group, desc_act, version, sym=False)
+    stored = mtp_engine(tmp_path / "gptq", "torch")
+    layer = dict(stored.model.named_modules())["mtp.layers.0.self_attn.qkv_proj"]
+    assert layer.qzeros is not None and layer.qzeros.any()
+    want = greedy_runs(mtp_engine(tmp_path / "float", "torch"), max_tokens=32)
+    got = greedy_runs(stored, max_tokens=32)
+    for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):
+        assert g_ids == w_ids and len(g_ids) == 32
+        torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
+
+
 @needs_native
-def test_native_act_order_matches_its_reference(ckpt, tmp_path, monkeypatch):
-    write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", 4, 32, True)
+@pytest.mark.parametrize("sym", [True, False])
+def test_native_act_order_matches_its_reference(ckpt, tmp_path, monkeypatch, sym):
+    write_gptq_pair(ckpt, tmp_path / "gptq", tmp_path / "float", 4, 32, True, sym=sym)
     native = greedy_runs(mtp_engine(tmp_path / "gptq", "cpu"))
     from hybrid_engine import engine as engine_module, quantization
     from hybrid_engine.checkpoint_formats import stored_quantization
@@ -121,20 +144,61 @@ def gptq_checkpoint(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="module")
+def asymmetric_gptq_checkpoint(tmp_path_factory):
+    src = make_spec_checkpoint(tmp_path_factory.mktemp("src"), "qwen3_5")
+    root = tmp_path_factory.mktemp("gptq")
+    write_gptq_pair(src, root / "gptq", root / "float", 8, 32, False, sym=False)
+    return root / "gptq"
+
+
 BASE = "model.layers.0.mlp.down_proj"
 
 
 @pytest.mark.parametrize("config_edit,tensors_edit,message", [
-    (lambda q: q.update(sym=False), None, "sym is False: asymmetric GPTQ"),
+    (lambda q: q.update(sym="no"), None, "sym is 'no', not true or false"),
     (lambda q: q.update(bits=3), None, "bits 3 is not supported"),
     (lambda q: q.update(group_size=-1), None, "group_size -1 is not supported"),
     (lambda q: q.update(checkpoint_format="marlin"), None, "checkpoint_format 'marlin'"),
-    (None, lambda t: t.update({f"{BASE}.qzeros": t[f"{BASE}.qzeros"] + 1}), "qzeros holds zero points other than 8"),
+    (None, lambda t: t.update({f"{BASE}.qzeros": t[f"{BASE}.qzeros"] + 1}),
+     "qzeros holds zero points other than 8, but the config says sym: true"),
     (None, lambda t: t.update({f"{BASE}.g_idx": torch.zeros_like(t[f"{BASE}.g_idx"])}), "g_idx does not put 32"),
     (None, lambda t: t.pop(f"{BASE}.scales"), "missing 1 tensor\\(s\\): layers.0.mlp.down_proj.scales"),
     (None, lambda t: t.update({f"{BASE}.qweight": t[f"{BASE}.qweight"].float()}), "qweight is torch.float32, not int32"),
 ])
 def test_broken_gptq_checkpoints_are_one_clear_error(gptq_checkpoint, tmp_path, config_edit, tensors_edit, message):
     broken = broken_copy(gptq_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
+
+
+def test_v1_zero_points_are_the_field_plus_one_without_wrapping():
+    """v1's stored 15 at int4 is a zero point of 16 (vLLM's GPTQ kernels read it so), held as 16 - 8."""
+    fields = torch.tensor([[15, 0, 7, 14, 3, 1, 2, 9]])                    # one group, 8 columns
+    codes = torch.arange(32 * 8).reshape(32, 8) % 16
+    tensors = {"qweight": pack_fields(codes, 4, dim=0), "qzeros": pack_fields(fields, 4, dim=1),
+               "scales": torch.full((1, 8), 0.5, dtype=torch.float16), "g_idx": torch.zeros(32, dtype=torch.int32)}
+    qw = Gptq(4, 32, zero_offset=1, symmetric=False).read("p", tensors, rows=8, in_features=32)
+    assert qw.zeros.t().tolist() == [[8, -7, 0, 7, -4, -6, -5, 2]]
+    assert torch.equal(dequantize(qw), (codes.t() - (fields.t() + 1)).float() * 0.5)
+
+
+def _set_first_zero(tensors, field: int) -> None:
+    qzeros = tensors[f"{BASE}.qzeros"].clone()
+    qzeros[0, 0] = (int(qzeros[0, 0]) & ~0xFF) | field
+    tensors[f"{BASE}.qzeros"] = qzeros
+
+
+@pytest.mark.parametrize("tensors_edit,message", [
+    (lambda t: t.pop(f"{BASE}.qzeros"), "missing 1 tensor\\(s\\): layers.0.mlp.down_proj.qzeros"),
+    (lambda t: t.update({f"{BASE}.qzeros": t[f"{BASE}.qzeros"][:, :-1].contiguous()}),
+     "tensor model.layers.0.mlp.down_proj.qzeros .*wrong shape"),
+    (lambda t: t.update({f"{BASE}.qzeros": t[f"{BASE}.qzeros"].float()}), "qzeros is torch.float32, not int32"),
+    # v1 stores each zero point less one: a stored 255 is 256, which 8 bits cannot hold
+    (lambda t: _set_first_zero(t, 255), "tensor layers.0.mlp.down_proj.qzeros holds a zero point of 256, "
+                                        "beyond 8 bits"),
+])
+def test_broken_asymmetric_gptq_is_one_clear_error(asymmetric_gptq_checkpoint, tmp_path, tensors_edit, message):
+    broken = broken_copy(asymmetric_gptq_checkpoint, tmp_path / "broken", None, tensors_edit)
     with pytest.raises(CheckpointError, match=message):
         LLMEngine(EngineConfig(model=str(broken), dtype="float32"))

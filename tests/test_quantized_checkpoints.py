@@ -1,29 +1,34 @@
 """compressed-tensors pack-quantized checkpoints (hybrid_engine/checkpoint_formats/compressed_tensors.py)
 and `hybrid-engine quantize` (hybrid_engine/quantize_checkpoint.py): a checkpoint written by the
 command loads quantized and runs exactly as online quantization of its source (the same values,
-so the same bits), for all three families with MTP; its packing is compressed-tensors' own; and
-every broken or unsupported checkpoint is one error naming the tensor or field."""
+so the same bits), for all three families with MTP; one with zero points (symmetric: false)
+runs as the float checkpoint of its dequantized weights, and the native kernel as its
+reference; its packing is compressed-tensors' own; and every broken or unsupported checkpoint
+is one error naming the tensor or field."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32, unpack_int32
 from hybrid_engine.cli import main as cli_main
+from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine import quantization
 from hybrid_engine.models.linear import Linear
 from hybrid_engine.quantization import Quantization
-from hybrid_engine.quantize_checkpoint import write_quantized
+from hybrid_engine.quantize_checkpoint import quantized_names, write_checkpoint, write_quantized
 
-from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
+from quantized_checkpoints import asymmetric_codes, asymmetric_dequantized, broken_copy, greedy_runs, mtp_engine
 from checkpoints import make_hf_model, save_checkpoint
 from spec_models import make_spec_checkpoint
 
@@ -82,6 +87,62 @@ def test_fused_experts_are_written_per_expert(tmp_path):
     assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in written[True])
 
 
+def write_asymmetric_pair(src: Path, ct_dir: Path, float_dir: Path, bits: int, group: int) -> None:
+    """A compressed-tensors checkpoint of `src` with zero points (symmetric: false) and a float
+    copy of its dequantized weights: the projections `hybrid-engine quantize` quantizes, each
+    coded asymmetrically with random zero points (compressed-tensors' signed codes: each code
+    and zero point less 2^(bits-1), the zero points packed along the output dimension)."""
+    # every projection at `bits` (the lm_head too: one config group), MoE experts left float
+    wanted = [n for n in quantized_names(src, Quantization(f"int{bits}", group)) if ".experts." not in n]
+    names = write_checkpoint(src, ct_dir, dict.fromkeys(wanted, bits), group)
+    source, tensors = load_file(str(src / "model.safetensors")), load_file(str(ct_dir / "model.safetensors"))
+    dequantized = dict(source)
+    middle = 1 << (bits - 1)
+    for seed, key in enumerate(sorted(names)):
+        base = key.removesuffix(".weight")
+        codes, zeros, scales = asymmetric_codes(source[key], bits, group, seed)
+        tensors[f"{base}.weight_packed"] = pack_int32(codes - middle, bits)
+        tensors[f"{base}.weight_scale"] = scales
+        tensors[f"{base}.weight_zero_point"] = pack_int32(zeros - middle, bits, dim=0)
+        dequantized[key] = asymmetric_dequantized(codes, zeros, scales, group).to(source[key].dtype)
+    save_file(tensors, str(ct_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ct_dir / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (ct_dir / "config.json").write_text(json.dumps(config))
+    shutil.copytree(src, float_dir)
+    save_file(dequantized, str(float_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+def test_asymmetric_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path, bits, group):
+    """The torch backend's product (float x) on the dequantized weights: the float32 run's
+    greedy tokens for 32 steps, its logprobs within float rounding."""
+    write_asymmetric_pair(ckpt, tmp_path / "ct", tmp_path / "float", bits, group)
+    stored = mtp_engine(tmp_path / "ct", "torch")
+    layers = dict(stored.model.named_modules())
+    for name in ("layers.0.linear_attn.in_proj", "mtp.layers.0.self_attn.qkv_proj", "lm_head"):
+        assert layers[name].qzeros is not None and layers[name].qzeros.any(), name
+    want = greedy_runs(mtp_engine(tmp_path / "float", "torch"), max_tokens=32)
+    got = greedy_runs(stored, max_tokens=32)
+    for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):
+        assert g_ids == w_ids and len(g_ids) == 32
+        torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not native_cpu_available(), reason="no native kernels at this CPU level")
+def test_native_asymmetric_checkpoint_matches_its_reference(ckpt, tmp_path, monkeypatch):
+    """The native kernel's zero-point forms in a whole model: the reference's tokens and logprobs."""
+    write_asymmetric_pair(ckpt, tmp_path / "ct", tmp_path / "float", 4, 32)
+    native = greedy_runs(mtp_engine(tmp_path / "ct", "cpu"), max_tokens=32)
+    from hybrid_engine import engine as engine_module, quantization
+    from hybrid_engine.checkpoint_formats import stored_quantization
+    from hybrid_engine.models.loader import checkpoint_names
+    monkeypatch.setattr(engine_module, "quantized_layers", lambda config, float_method, kernels, gguf_file=None: (
+        quantization.CheckpointLayers(stored_quantization(config.model), checkpoint_names(config.model),
+                                      float_method, native=False, int8_activations=True)))
+    assert greedy_runs(mtp_engine(tmp_path / "ct", "cpu"), max_tokens=32) == native
+
+
 def test_tied_lm_head_stays_float(tmp_path, monkeypatch):
     """The default model ties lm_head to its embedding: the written checkpoint keeps that table
     float, and otherwise runs as online quantization with lm_head left float."""
@@ -119,6 +180,26 @@ def test_pack_and_unpack_int32_round_trip(bits, rows, cols, seed):
     assert torch.equal(unpack_int32(packed, bits, cols), values)
 
 
+def test_zero_points_pack_along_the_output_dimension():
+    # compressed-tensors' pack_to_int32(..., packed_dim=0): a column's rows fill a word, lowest first
+    zeros = torch.tensor([[-8, 7], [-7, 0], [0, 1], [7, -1], [1, 2], [2, 3], [3, 4], [-1, 5], [5, 6]], dtype=torch.int8)
+    packed = pack_int32(zeros, 4, dim=0)
+    assert packed.shape == (2, 2) and packed.dtype == torch.int32
+    assert [(int(packed[0, 0]) >> (4 * i)) & 15 for i in range(8)] == [0, 1, 8, 15, 9, 10, 11, 7]
+    assert int(packed[1, 0]) == 13 and int(packed[1, 1]) == 14           # the ninth row alone, + 8
+    assert torch.equal(unpack_int32(packed, 4, 9, dim=0), zeros)
+
+
+@settings(max_examples=50, deadline=None)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 40), groups=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_pack_and_unpack_zero_points_round_trip(bits, rows, groups, seed):
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    zeros = torch.randint(lo, hi + 1, (rows, groups), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    packed = pack_int32(zeros, bits, dim=0)
+    assert packed.shape == (-(-rows * bits // 32), groups)
+    assert torch.equal(unpack_int32(packed, bits, rows, dim=0), zeros)
+
+
 @pytest.fixture(scope="module")
 def int4_checkpoint(tmp_path_factory):
     src = make_spec_checkpoint(tmp_path_factory.mktemp("src"), "qwen3_5")
@@ -136,7 +217,8 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale"
     (lambda q: q.update(quant_method="awq"), None, "quant_method 'awq' is not supported; this engine reads "
                                                    "'compressed-tensors', 'fp8', 'gptq'"),
     (lambda q: q.update(format="int-quantized"), None, "format 'int-quantized' is not supported"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), None, "symmetric is False"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric="no"), None,
+     "symmetric is 'no', not true or false"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), None, "num_bits 3 is not supported"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48), None, "group_size 48 is not a multiple"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), None, "actorder 'group'"),
@@ -150,6 +232,53 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale"
 def test_broken_checkpoints_are_one_clear_error(int4_checkpoint, tmp_path, config_edit, tensors_edit, message):
     broken = broken_copy(int4_checkpoint, tmp_path / "broken", config_edit, tensors_edit)
     with pytest.raises(CheckpointError, match=message):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
+
+
+def _asymmetric_checkpoint(tmp_path_factory, family: str) -> Path:
+    src = make_spec_checkpoint(tmp_path_factory.mktemp("src"), family)
+    root = tmp_path_factory.mktemp("asym")
+    write_asymmetric_pair(src, root / "ct", root / "float", 4, 32)
+    return root / "ct"
+
+
+@pytest.fixture(scope="module")
+def asymmetric_checkpoint(tmp_path_factory):
+    return _asymmetric_checkpoint(tmp_path_factory, "qwen3_5")
+
+
+ZERO_POINT = "model.layers.0.mlp.down_proj.weight_zero_point"
+QKVZ_ZERO_POINT = "model.layers.0.linear_attn.in_proj_qkvz.weight_zero_point"
+
+
+@pytest.mark.parametrize("tensors_edit,message", [
+    (lambda t: t.pop(ZERO_POINT), "missing 1 tensor\\(s\\): layers.0.mlp.down_proj.weight_zero_point"),
+    (lambda t: t.update({ZERO_POINT: t[ZERO_POINT][:, :1].contiguous()}),
+     "tensor model.layers.0.mlp.down_proj.weight_zero_point .*wrong shape"),
+    (lambda t: t.update({ZERO_POINT: torch.cat([t[ZERO_POINT], t[ZERO_POINT]])}),
+     "tensor model.layers.0.mlp.down_proj.weight_zero_point .*wrong shape"),
+    (lambda t: t.update({ZERO_POINT: t[ZERO_POINT].float()}), "weight_zero_point is torch.float32, not int32"),
+])
+def test_broken_zero_points_are_one_clear_error(asymmetric_checkpoint, tmp_path, tensors_edit, message):
+    broken = broken_copy(asymmetric_checkpoint, tmp_path / "broken", None, tensors_edit)
+    with pytest.raises(CheckpointError, match=message):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
+
+
+def test_broken_grouped_zero_points_name_the_grouped_tensor(tmp_path_factory, tmp_path):
+    """Qwen3-Next's in_proj_qkvz zero points are packed along its grouped rows: checked there."""
+    broken = broken_copy(_asymmetric_checkpoint(tmp_path_factory, "qwen3_next"), tmp_path / "broken", None,
+                         lambda t: t.update({QKVZ_ZERO_POINT: t[QKVZ_ZERO_POINT][:-1].contiguous()}))
+    with pytest.raises(CheckpointError, match="tensor model.layers.0.linear_attn.in_proj_qkvz.weight_zero_point "
+                                              ".*wrong shape"):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
+
+
+def test_symmetric_checkpoint_without_zero_points_refuses_them(int4_checkpoint, tmp_path):
+    """A zero point beside a symmetric checkpoint's projection is a tensor the model does not take."""
+    broken = broken_copy(int4_checkpoint, tmp_path / "broken", None, lambda t: t.update(
+        {ZERO_POINT: torch.zeros(t[SCALE].shape[0] // 8, t[SCALE].shape[1], dtype=torch.int32)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor\\(s\\): .*down_proj.weight_zero_point"):
         LLMEngine(EngineConfig(model=str(broken), dtype="float32"))
 
 

@@ -1,7 +1,8 @@
 """kernels/linear/quantized.py and quant_linear.cpp: the int8 / int4 group quantization, its packed
-layout, the native product against its torch reference, and the linear method that holds a
-layer's weights quantized (run with HYBRID_ENGINE_CPU_ISA=avx512 and =avx2 too: the kernel's
-forms without VNNI and at the other width)."""
+layout, the native product against its torch reference (symmetric, and with zero points at
+every level this process may run), and the linear method that holds a layer's weights
+quantized (run with HYBRID_ENGINE_CPU_ISA=avx512 and =avx2 too: the kernel's forms without
+VNNI and at the other width)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,25 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, QuantizedLinearMethod, _int4_search_torch,
-                                                    dequantize, pack, quant_linear, quant_linear_reference,
-                                                    quantize, unpack)
-from hybrid_engine.kernels.native.isa import at_least
+from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, QuantizedLinearMethod, QuantizedWeight,
+                                                    _int4_search_torch, dequantize, pack, pack_zeros, quant_linear,
+                                                    quant_linear_reference, quantize, unpack)
+from hybrid_engine.kernels.native.isa import LEVELS, at_least
 from hybrid_engine.kernels.native.ops import native_ops
 from hybrid_engine.models.linear import Linear
 
 needs_native = pytest.mark.skipif(not at_least("avx2") or native_ops() is None, reason="level none: no native kernel")
+NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
+CODES = {8: (-128, 127), 4: (-8, 7)}                          # values and zero points: the codes less their middle
+
+
+def asymmetric_weight(n: int, k: int, bits: int, group: int, seed: int) -> QuantizedWeight:
+    """Random codes and zero points over the whole range (q - z reaches +-255 at int8)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = CODES[bits]
+    values = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    zeros = torch.randint(lo, hi + 1, (n, k // group), generator=g, dtype=torch.int8)
+    return QuantizedWeight(values, (torch.rand(n, k // group, generator=g) / 100).half(), bits, group, zeros=zeros)
 
 
 def test_int8_follows_the_q8_0_rule():
@@ -85,6 +97,71 @@ def test_pack_and_unpack_round_trip(bits, group, rows, groups, seed):
     assert torch.equal(full[:rows], dequantize(qw)) and not full[rows:].any()
     ids = torch.randint(0, rows, (5,), generator=torch.Generator().manual_seed(seed))
     assert torch.equal(unpack(q, scales, bits, group, rows=ids), dequantize(qw)[ids])
+
+
+def test_dequantize_takes_the_zero_points_off():
+    qw = QuantizedWeight(torch.tensor([[-128, 127, 0, 5, 1, 2, 3, 4]], dtype=torch.int8),
+                         torch.tensor([[0.5, 2.0]]).half(), 8, 4, zeros=torch.tensor([[127, -128]], dtype=torch.int8))
+    want = [[-127.5, 0.0, -63.5, -61.0, 258.0, 260.0, 262.0, 264.0]]
+    assert dequantize(qw).tolist() == want
+    q, scales = pack(qw)
+    assert unpack(q, scales, 8, 4, zeros=pack_zeros(qw))[:1].tolist() == want
+    assert q[0, 0, 0].tolist() == [0, 255, 128, 133]        # the stored byte: the code q itself
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([8, 4]), group=st.sampled_from([8, 16, 32]), rows=st.integers(1, 40),
+       groups=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_pack_and_unpack_round_trip_with_zero_points(bits, group, rows, groups, seed):
+    qw = asymmetric_weight(rows, group * groups, bits, group, seed)
+    q, scales = pack(qw)
+    zeros = pack_zeros(qw)
+    assert zeros.dtype == torch.int8 and zeros.shape == scales.shape == (-(-rows // 16), groups, 16)
+    full = unpack(q, scales, bits, group, zeros=zeros)
+    assert torch.equal(full[:rows], dequantize(qw)) and not full[rows:].any()
+    zero_at, scale_at = (t.float().repeat_interleave(group, 1) for t in (qw.zeros, qw.scales))
+    want = (qw.values.float() - zero_at) * scale_at
+    assert torch.equal(dequantize(qw), want)
+    ids = torch.randint(0, rows, (5,), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(unpack(q, scales, bits, group, rows=ids, zeros=zeros), want[ids])
+
+
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [32, 128])
+def test_native_product_with_zero_points_against_the_reference(level, bits, group):
+    """Zero points over their whole range at each level's form (VNNI, and the maddubs forms
+    without it): the kernel's bits are the reference's at 1 to 5 rows, float32 and bf16."""
+    product = native_ops(level).linear_quant.default
+    qw = asymmetric_weight(40, 256, bits, group, seed=bits * group)
+    q, scales = pack(qw)
+    zeros = pack_zeros(qw)
+    g = torch.Generator().manual_seed(group)
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in range(1, 6):
+            x = torch.randn(m, 256, generator=g).to(dtype)
+            got = product(x, q, scales, zeros, bits, group)
+            assert got.dtype == dtype and got.shape == (m, 48)
+            assert torch.equal(got, quant_linear_reference(x, q, scales, bits, group, True, zeros)), (dtype, m)
+    # the zero points matter: without them the product is another one
+    x = torch.randn(2, 256, generator=g)
+    assert not torch.equal(product(x, q, scales, zeros, bits, group), product(x, q, scales, None, bits, group))
+    exact = x @ dequantize(qw).t()
+    got = product(x, q, scales, zeros, bits, group)[:, :40]
+    assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
+
+
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+def test_native_product_refuses_zero_points_that_do_not_fit(level):
+    product = native_ops(level).linear_quant.default
+    qw = asymmetric_weight(16, 64, 4, 32, seed=0)
+    q, scales = pack(qw)
+    with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
+        product(torch.randn(1, 64), q, scales, pack_zeros(qw).float(), 4, 32)
+    with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
+        product(torch.randn(1, 64), q, scales, pack_zeros(qw)[:, :1].contiguous(), 4, 32)
 
 
 @needs_native
@@ -190,6 +267,36 @@ def test_method_refuses_float_shards_that_are_not_the_last():
     method = QuantizedLinearMethod(8, 32, float_shards=("in_proj_qkv",))
     with pytest.raises(ValueError, match="not the last"):
         _layer(torch.randn(72, 64), method, {"in_proj_qkv": 40, "in_proj_z": 24, "in_proj_b": 4, "in_proj_a": 4})
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_method_runs_asymmetric_weights(native, bits):
+    """A format's zero points held beside the scales: the layer's product is the reference's,
+    its rows the dequantized ones."""
+    qw = asymmetric_weight(40, 128, bits, 32, seed=bits)
+    layer = _layer(torch.zeros(40, 128), QuantizedLinearMethod(bits, 32, native=native))
+    layer.method.load_quantized(layer, qw, None, torch.float32)
+    assert torch.equal(layer.qzeros, pack_zeros(qw))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    q, scales = pack(qw)
+    want = quant_linear_reference(x, q, scales, bits, 32, native, pack_zeros(qw))[:, :40]
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer.rows(torch.tensor([0, 39, 7])), dequantize(qw)[[0, 39, 7]])
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+def test_method_takes_symmetric_int8_of_minus_128(native):
+    """Symmetric int8 formats may store -128 (compressed-tensors' and GPTQ's int8 codes reach
+    it): the forms without VNNI cannot negate it, so such weights run with zero points 0."""
+    qw = quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(3)), 8, 32)
+    qw = qw._replace(values=qw.values.clone().index_fill_(1, torch.tensor([0, 5, 40]), -128))
+    layer = _layer(torch.zeros(32, 64), QuantizedLinearMethod(8, 32, native=native))
+    layer.method.load_quantized(layer, qw, None, torch.float32)
+    assert layer.qzeros is not None and not layer.qzeros.any()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    q, scales = pack(qw)
+    assert torch.equal(layer(x), quant_linear_reference(x, q, scales, 8, 32, int8_activations=native))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

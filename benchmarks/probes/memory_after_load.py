@@ -37,7 +37,8 @@ def measure(model: str | None, dtype: str, k: int, quantization: str | None = No
                                 + [pools.checkpoint_hidden]))
     weights = [t for t in list(engine.model.parameters()) + list(engine.model.buffers()) if not t.is_meta]
     weight_bytes = sum(t.numel() * t.element_size() for t in weights if not t.is_mkldnn)
-    quantized = [getattr(m, name) for m in engine.model.modules() for name in ("qweight", "qscales", "float_tail")
+    quantized = [getattr(m, name) for m in engine.model.modules()
+                 for name in ("qweight", "qscales", "qzeros", "float_tail")
                  if isinstance(getattr(m, name, None), torch.Tensor)]
     quantized_bytes = sum(t.numel() * t.element_size() for t in quantized)
     with open("/proc/self/status") as f:

@@ -3,10 +3,11 @@ QuantizedCheckpoint its projections load through (kernels/linear/quantized.py), 
 tensor beside a projection marks it quantized (`marker`). MoE experts are projections here too,
 one per expert (`mlp.experts.{e}.down_proj.<marker>`: how every format stores them per expert).
 
-    compressed_tensors.py   llm-compressor's pack-quantized W4A16 / W8A16 (and what
-                            `hybrid-engine quantize` writes)
+    compressed_tensors.py   llm-compressor's pack-quantized W4A16 / W8A16, symmetric or with
+                            zero points (and what `hybrid-engine quantize` writes)
     fp8.py                  Qwen's block-scaled FP8 releases, requantized to int8 at load
-    gptq.py                 AutoGPTQ / GPTQModel int4 / int8 (symmetric; act-order too)
+    gptq.py                 AutoGPTQ / GPTQModel int4 / int8 (symmetric or with zero points;
+                            act-order too)
 """
 
 from __future__ import annotations

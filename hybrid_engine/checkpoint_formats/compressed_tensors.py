@@ -2,22 +2,26 @@
 loads): reading them, and writing them (`hybrid-engine quantize`).
 
 A quantized projection `X` is stored as
-    X.weight_packed  int32 [out, in * bits / 32]: values q + 2^(bits-1), 32 / bits per int32,
-                     the first in the lowest bits
-    X.weight_scale   float [out, in / group_size]: W = q * scale
-    X.weight_shape   int [2]: (out, in)
+    X.weight_packed      int32 [out, in * bits / 32]: values q + 2^(bits-1), 32 / bits per int32,
+                         the first in the lowest bits
+    X.weight_scale       float [out, in / group_size]: W = q * scale
+    X.weight_shape       int [2]: (out, in)
+and, where the weights are asymmetric (`symmetric: false`), W = (q - zero) * scale with
+    X.weight_zero_point  int32 [ceil(out * bits / 32), in / group_size]: zero points z + 2^(bits-1)
+                         (z in q's signed range), packed as weight_packed but along the output
+                         dimension (compressed-tensors' pack_to_int32 with packed_dim=0)
 with config.json's `quantization_config`: {"quant_method": "compressed-tensors", "format":
 "pack-quantized", "config_groups": {NAME: {"targets": [...], "weights": {"num_bits": 4 | 8,
-"type": "int", "symmetric": true, "strategy": "group", "group_size": G, ...}}}, "ignore": [...]}.
-Which projections are quantized is read from the tensors themselves (a `weight_packed` beside
-the name), so an `ignore` list written any way works; which group's scheme a quantized one has,
-from the groups' `targets`, by compressed-tensors' own rules (utils/match.py): a target is a
-module name (the checkpoint's, `model.layers.0.mlp.down_proj`), `re:` and a regex matched from
-the name's start (re.match), or a class name (`Linear`: every projection). A quantized module
-that no group or two groups match is one error naming it. Supported here: int, symmetric, group
-strategy with a group size the kernel takes (a multiple of 32); anything else is refused with
-the field that says so. Zero points (asymmetric) and activation ordering (`actorder`, g_idx)
-are not read yet.
+"type": "int", "symmetric": true | false, "strategy": "group", "group_size": G, ...}}},
+"ignore": [...]}. Which projections are quantized is read from the tensors themselves (a
+`weight_packed` beside the name), so an `ignore` list written any way works; which group's
+scheme a quantized one has, from the groups' `targets`, by compressed-tensors' own rules
+(utils/match.py): a target is a module name (the checkpoint's, `model.layers.0.mlp.down_proj`),
+`re:` and a regex matched from the name's start (re.match), or a class name (`Linear`: every
+projection). A quantized module that no group or two groups match is one error naming it.
+Supported here: int, symmetric or not, group strategy with a group size the kernel takes (a
+multiple of 32); anything else is refused with the field that says so. Activation ordering
+(`actorder`, g_idx) is not read yet.
 """
 
 from __future__ import annotations
@@ -43,11 +47,15 @@ class PackQuantized:
     """One config group's weights: the QuantizedCheckpoint of kernels/linear/quantized.py."""
     bits: int
     group_size: int
+    symmetric: bool = True
     marker: str = "weight_packed"          # the tensor beside a projection that says it is quantized
 
     def tensor_shapes(self, rows: int, in_features: int) -> dict[str, tuple[int, ...]]:
-        return {"weight_packed": (rows, math.ceil(in_features * self.bits / 32)),
-                "weight_scale": (rows, in_features // self.group_size), "weight_shape": (2,)}
+        shapes = {"weight_packed": (rows, math.ceil(in_features * self.bits / 32)),
+                  "weight_scale": (rows, in_features // self.group_size), "weight_shape": (2,)}
+        if not self.symmetric:
+            shapes["weight_zero_point"] = (math.ceil(rows * self.bits / 32), in_features // self.group_size)
+        return shapes
 
     def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
         packed, scale, shape = tensors["weight_packed"], tensors["weight_scale"], tensors["weight_shape"]
@@ -62,17 +70,26 @@ class PackQuantized:
         if not torch.isfinite(scales).all():
             raise CheckpointError(f"tensor {name}.weight_scale holds values float16 cannot hold "
                                   "(NaN, Inf, or beyond 65504)")
-        return QuantizedWeight(values, scales, self.bits, self.group_size)
+        zeros = None
+        if not self.symmetric:
+            zero_point = tensors["weight_zero_point"]
+            if zero_point.dtype != torch.int32:
+                raise CheckpointError(f"tensor {name}.weight_zero_point is {zero_point.dtype}, not int32")
+            zeros = unpack_int32(zero_point, self.bits, rows, dim=0)
+        return QuantizedWeight(values, scales, self.bits, self.group_size, zeros=zeros)
 
 
-def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 values [out, in] -> weight_packed int32 [out, ceil(in * bits / 32)]."""
-    return pack_fields(values.to(torch.int64) + (1 << (bits - 1)), bits, dim=1)
+def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
+    """int8 values [out, in] -> weight_packed int32 [out, ceil(in * bits / 32)]; dim=0: zero
+    points [out, groups] -> weight_zero_point int32 [ceil(out * bits / 32), groups]."""
+    return pack_fields(values.to(torch.int64) + (1 << (bits - 1)), bits, dim=dim)
 
 
-def unpack_int32(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """weight_packed int32 -> the int8 values [out, in_features]."""
-    return (unpack_fields(packed, bits, dim=1)[:, :in_features] - (1 << (bits - 1))).to(torch.int8)
+def unpack_int32(packed: torch.Tensor, bits: int, length: int, dim: int = 1) -> torch.Tensor:
+    """weight_packed int32 -> the int8 values [out, length]; dim=0: weight_zero_point -> the
+    zero points [length, groups]."""
+    fields = unpack_fields(packed, bits, dim=dim).narrow(dim, 0, length)
+    return (fields - (1 << (bits - 1))).to(torch.int8)
 
 
 CLASS_TARGETS = ("Linear",)         # the class every projection is (the one class name a target here names)
@@ -137,10 +154,13 @@ def _read_group(group: dict, where: str) -> PackQuantized:
     field = f"{where}.weights"
     if not isinstance(weights, dict):
         raise CheckpointError(f"{field} is missing")
-    expected = {"type": "int", "symmetric": True, "strategy": "group"}
+    expected = {"type": "int", "strategy": "group"}
     for key, value in expected.items():
         if weights.get(key) != value:
             raise CheckpointError(f"{field}.{key} is {weights.get(key)!r}; this engine reads {value!r} only")
+    symmetric = weights.get("symmetric")
+    if not isinstance(symmetric, bool):
+        raise CheckpointError(f"{field}.symmetric is {symmetric!r}, not true or false")
     if weights.get("actorder") not in (None, False):
         raise CheckpointError(f"{field}.actorder {weights.get('actorder')!r} is not supported")
     if group.get("input_activations") is not None:
@@ -155,7 +175,7 @@ def _read_group(group: dict, where: str) -> PackQuantized:
         raise CheckpointError(f"{field}.group_size: {e}") from None
     if group_size % 32:
         raise CheckpointError(f"{field}.group_size {group_size} is not a multiple of 32, which the kernels need")
-    return PackQuantized(bits, group_size)
+    return PackQuantized(bits, group_size, symmetric)
 
 
 def quantization_config(groups: list[tuple[PackQuantized, list[str]]], ignore: list[str]) -> dict:

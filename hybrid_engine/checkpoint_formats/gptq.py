@@ -7,11 +7,15 @@
 with W[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]; checkpoint_format "gptq" (v1)
 stores each zero point less one, "gptq_v2" as it is.
 
-Read here: bits 4 and 8, symmetric (`sym: true`: every zero point 2^(bits-1), so W = (q - 8) *
-scale for int4, the kernels' own form), groups a multiple of 32. With `desc_act` (activation
-order) a group's columns are scattered over the input: the columns are reordered at load so that
-each group is contiguous, and the layer gathers x into the same order before each product (an
-index_select of x's few rows, exact). Asymmetric zero points are refused, not read yet.
+Read here: bits 4 and 8, groups a multiple of 32, symmetric (`sym: true`: every zero point
+2^(bits-1), so W = (q - 8) * scale for int4, the kernels' own form; other zero points are refused
+as a corrupt file) or asymmetric (`sym: false`: the zero points as stored, held beside the
+scales, both less 2^(bits-1) as kernels/linear/quantized.py keeps them). A v1 zero point is its
+field plus one, without wrapping (16 for a stored 15 at int4, as vLLM's GPTQ kernels read it);
+an int8 one of 256 does not fit and is refused. With `desc_act` (activation order) a group's
+columns are scattered over the input: the columns are reordered at load so that each group is
+contiguous, and the layer gathers x into the same order before each product (an index_select
+of x's few rows, exact).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ QUANT_METHOD = "gptq"
 
 @dataclass(frozen=True)
 class Gptq:
-    """The QuantizedCheckpoint of kernels/linear/quantized.py for symmetric GPTQ."""
+    """The QuantizedCheckpoint of kernels/linear/quantized.py for GPTQ."""
     bits: int
     group_size: int
     zero_offset: int                         # v1 stores each zero point less one
+    symmetric: bool = True
     marker: str = "qweight"
 
     def scheme_for(self, module: str):
@@ -49,10 +54,13 @@ class Gptq:
             if tensors[suffix].dtype != torch.int32:
                 raise CheckpointError(f"tensor {name}.{suffix} is {tensors[suffix].dtype}, not int32")
         middle = 1 << (self.bits - 1)
-        zeros = unpack_fields(tensors["qzeros"], self.bits, dim=1) + self.zero_offset
-        if not bool((zeros == middle).all()):
-            raise CheckpointError(f"tensor {name}.qzeros holds zero points other than {middle}: asymmetric GPTQ "
-                                  "is not supported yet")
+        zeros = unpack_fields(tensors["qzeros"], self.bits, dim=1)[:, :rows] + self.zero_offset - middle
+        if self.symmetric and zeros.any():
+            raise CheckpointError(f"tensor {name}.qzeros holds zero points other than {middle}, but the "
+                                  "config says sym: true")
+        if int(zeros.max()) > 127:
+            raise CheckpointError(f"tensor {name}.qzeros holds a zero point of {int(zeros.max()) + middle}, "
+                                  f"beyond {self.bits} bits")
         values = (unpack_fields(tensors["qweight"], self.bits, dim=0) - middle).t()          # [out, in]
         scales = tensors["scales"]
         if not scales.dtype.is_floating_point:
@@ -65,7 +73,8 @@ class Gptq:
                                   f"{in_features // self.group_size} groups")
         in_order = torch.equal(order, torch.arange(in_features))
         return QuantizedWeight(values[:, order].to(torch.int8).contiguous(), scales.t().to(torch.float16).contiguous(),
-                               self.bits, self.group_size, None if in_order else order)
+                               self.bits, self.group_size, None if in_order else order,
+                               None if self.symmetric else zeros.t().to(torch.int8).contiguous())
 
 
 def read_config(quant: dict, where: str) -> Gptq:
@@ -73,8 +82,9 @@ def read_config(quant: dict, where: str) -> Gptq:
     bits, group = quant.get("bits"), quant.get("group_size")
     if bits not in (4, 8):
         raise CheckpointError(f"{where}.bits {bits!r} is not supported (4 or 8)")
-    if quant.get("sym", True) is not True:
-        raise CheckpointError(f"{where}.sym is {quant.get('sym')!r}: asymmetric GPTQ is not supported yet")
+    symmetric = quant.get("sym", True)
+    if not isinstance(symmetric, bool):
+        raise CheckpointError(f"{where}.sym is {symmetric!r}, not true or false")
     if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 32:
         raise CheckpointError(f"{where}.group_size {group!r} is not supported (a multiple of 32; per-channel -1 "
                               "is not read yet)")
@@ -82,4 +92,4 @@ def read_config(quant: dict, where: str) -> Gptq:
     version = quant.get("checkpoint_format", "gptq")
     if version not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"{where}.checkpoint_format {version!r} is not supported (gptq or gptq_v2)")
-    return Gptq(bits, group, 1 if version == "gptq" else 0)
+    return Gptq(bits, group, 1 if version == "gptq" else 0, symmetric)

@@ -1,7 +1,9 @@
 // y[M, N] = x[M, K] @ W^T for W quantized in groups along k: int8 or int4 values and one float16
-// scale per column and group (W[n][k] = q[n][k] * scale[n][k / group]), with x quantized per row
-// in blocks of 32 k to int8 (llama.cpp's Q8_0 rule for activations: scale max|x| / 127, values
-// rounded to nearest even) and the products summed as integers.
+// scale per column and group (W[n][k] = q[n][k] * scale[n][k / group]), or for asymmetric
+// formats a zero point per column and group as well (W[n][k] = (q[n][k] - zero[n][k / group]) *
+// scale[n][k / group]), with x quantized per row in blocks of 32 k to int8 (llama.cpp's Q8_0
+// rule for activations: scale max|x| / 127, values rounded to nearest even) and the products
+// summed as integers.
 //
 // Why integer dot products: decode reads every weight once per token, so it runs at the weights'
 // bytes over the memory bandwidth only while the arithmetic keeps up, and widening each weight
@@ -19,7 +21,9 @@
 //   int8: q [N/16][K/4][16][4] uint8, each value q + 128;
 //   int4: q [N/16][K/8][16][4] uint8, lane byte j holding k = 8 s + j in its low nibble and
 //         k = 8 s + 4 + j in its high one, each q + 8;
-//   scales [N/16][K/group][16] float16.
+//   scales [N/16][K/group][16] float16;
+//   zeros  [N/16][K/group][16] int8 (asymmetric weights only), each z less the same middle
+//          (128 or 8) as q, so that q - z is the code's own difference.
 // group and K are multiples of 32; N is a multiple of 16.
 //
 // Sums: vpdpbusd takes one operand unsigned, so the weights are stored with their offset (128 or
@@ -27,6 +31,16 @@
 // vpmaddubsw's 16-bit pair sums would overflow on 255 x 127: int8 there multiplies the signed
 // weight (offset removed) by x's sign and |x| (at most 2 x 127 x 127, which fits), int4's 15 x 127
 // fits as it is.
+//
+// Zero points: sum (q - z) x over a block is sum q x - z sumx, so the zero-point forms subtract
+// each column's (offset + z) times the block's sum of x where the symmetric ones subtract the
+// constant offset times it: one vector multiply per block and column vector, in the epilogue;
+// the sums are the same exact integers, so the float steps and the reference's bits are too.
+// Asymmetric int8 values reach -128, which the symmetric forms without VNNI cannot negate: the
+// zero-point forms give x the weight's sign instead and read |w| (128 too) unsigned (at most
+// 2 x 128 x 127, which fits); symmetric int8 weights holding -128 are loaded with zero points 0
+// for that reason (QuantizedLinearMethod.load_quantized). The symmetric forms are a template of
+// their own (ZP = false), so zero points cost them nothing.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +63,8 @@ inline simd::I sub_i32(simd::I a, simd::I b) { return _mm512_sub_epi32(a, b); }
 inline simd::I and_i(simd::I a, simd::I b) { return _mm512_and_si512(a, b); }
 inline simd::I xor_i(simd::I a, simd::I b) { return _mm512_xor_si512(a, b); }
 inline simd::I srli16(simd::I a, int n) { return _mm512_srli_epi16(a, n); }
+inline simd::I mullo_i32(simd::I a, simd::I b) { return _mm512_mullo_epi32(a, b); }
+inline simd::I load_i8_as_i32(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline simd::F to_float(simd::I a) { return _mm512_cvtepi32_ps(a); }
 inline simd::F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline simd::I madd_pairs(simd::I a_u8, simd::I b_s8) {       // 4 products of a lane summed, int32
@@ -67,6 +83,8 @@ inline simd::I sub_i32(simd::I a, simd::I b) { return _mm256_sub_epi32(a, b); }
 inline simd::I and_i(simd::I a, simd::I b) { return _mm256_and_si256(a, b); }
 inline simd::I xor_i(simd::I a, simd::I b) { return _mm256_xor_si256(a, b); }
 inline simd::I srli16(simd::I a, int n) { return _mm256_srli_epi16(a, n); }
+inline simd::I mullo_i32(simd::I a, simd::I b) { return _mm256_mullo_epi32(a, b); }
+inline simd::I load_i8_as_i32(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline simd::F to_float(simd::I a) { return _mm256_cvtepi32_ps(a); }
 inline simd::F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline simd::I madd_pairs(simd::I a_u8, simd::I b_s8) {
@@ -134,10 +152,12 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
 
 // One tile: MR rows of quantized x (from row m0) times NR blocks of q (q: the first block's
 // first byte, blocks qstride bytes apart) with their scales (sc, blocks sstride halves apart)
-// -> y rows m0.. (row stride N) from column n0.
-template <int MR, int NR, int BITS, typename Y, typename Store>
+// and, with ZP, their zero points (zp, laid out as the scales) -> y rows m0.. (row stride N)
+// from column n0.
+template <int MR, int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
-                              const uint16_t* sc, size_t sstride, int group, Y* y, int N, int n0, Store store) {
+                              const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N, int n0,
+                              Store store) {
   constexpr int LANE_BYTES = 64 / VB;           // bytes of one weight vector: 16 / VB columns x 4 bytes
   const int blocks = K / QK;
   simd::F acc[MR][NR * VB];
@@ -164,6 +184,13 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
           const simd::I xv = set1_i32(four);
           if constexpr (VNNI) {
             for (int j = 0; j < NR * VB; j++) sums[r][j] = dot_u8s8(sums[r][j], w[j], xv);
+          } else if constexpr (ZP) {
+            // asymmetric weights reach -128, whose negation does not fit a byte: x takes the
+            // weight's sign instead, and |w| (128 read unsigned) the place of |x|
+            for (int j = 0; j < NR * VB; j++) {
+              const simd::I sw = xor_i(w[j], flip);
+              sums[r][j] = add_i32(sums[r][j], madd_pairs(abs8(sw), sign8(xv, sw)));
+            }
           } else {
             const simd::I ax = abs8(xv);
             for (int j = 0; j < NR * VB; j++) sums[r][j] = add_i32(sums[r][j], madd_pairs(ax, sign8(xor_i(w[j], flip), xv)));
@@ -191,16 +218,20 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
         }
       }
     }
-    // the block's sums, offset taken off, in float times the weights' and x's scales
+    // the block's sums, offset (and zero point) taken off, in float times the weights' and x's scales
     constexpr int OFFSET = BITS == 4 ? 8 : (VNNI ? 128 : 0);
     const int gi = b * QK / group;
     for (int j = 0; j < NR; j++)
       for (int v = 0; v < VB; v++) {
-        const simd::F sw = load_f16(sc + j * sstride + (size_t)gi * 16 + v * simd::W);
+        const size_t at = j * sstride + (size_t)gi * 16 + v * simd::W;
+        const simd::F sw = load_f16(sc + at);
+        simd::I z = zero_i();                      // per column: what each unit of sumx takes off
+        if constexpr (ZP) z = add_i32(load_i8_as_i32(zp + at), set1_i32(OFFSET));
         for (int r = 0; r < MR; r++) {
           const size_t xi = (size_t)(m0 + r) * blocks + b;
           simd::I s = sums[r][j * VB + v];
-          if constexpr (OFFSET != 0) s = sub_i32(s, set1_i32(OFFSET * x.sumx[xi]));
+          if constexpr (ZP) s = sub_i32(s, mullo_i32(z, set1_i32(x.sumx[xi])));
+          else if constexpr (OFFSET != 0) s = sub_i32(s, set1_i32(OFFSET * x.sumx[xi]));
           // product and sum each rounded on their own (no FMA): the torch reference's steps
           acc[r][j * VB + v] = simd::add(acc[r][j * VB + v], simd::mul_rounded(to_float(s), simd::mul(sw, simd::set1(x.sx[xi]))));
         }
@@ -210,22 +241,23 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
     for (int j = 0; j < NR * VB; j++) store(y + (size_t)(m0 + r) * N + n0 + j * simd::W, acc[r][j]);
 }
 
-template <int NR, int BITS, typename Y, typename Store>
+template <int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
-                                   const uint16_t* sc, size_t sstride, int group, Y* y, int N, int n0, Store store) {
-  if (rows >= QMR) return quant_tile<QMR, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
+                                   const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N,
+                                   int n0, Store store) {
+  if (rows >= QMR) return quant_tile<QMR, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
   if constexpr (QMR > 2) {
-    if (rows == 3) return quant_tile<3, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
+    if (rows == 3) return quant_tile<3, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
   }
-  if (rows == 2) return quant_tile<2, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
-  quant_tile<1, NR, BITS>(x, m0, K, q, qstride, sc, sstride, group, y, N, n0, store);
+  if (rows == 2) return quant_tile<2, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
+  quant_tile<1, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
 }
 
 // Every panel of QMR rows against each group of NR blocks: a group's weights (NR x K bytes or
 // half that) stay in cache while the panels pass over them.
-template <int BITS, typename Y, typename Store>
-static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t* sc, Y* y, int M, int N, int K,
-                          int group, int threads, Store store) {
+template <int BITS, bool ZP, typename Y, typename Store>
+static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t* sc, const int8_t* zp, Y* y, int M,
+                          int N, int K, int group, int threads, Store store) {
   const int blocks = N / 16, NR = quant_blocks_per_tile(M < QMR ? M : QMR);
   const int groups = (blocks + NR - 1) / NR;
   const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
@@ -234,19 +266,22 @@ static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t*
     const int b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
     const uint8_t* qg = q + (size_t)b0 * qstride;
     const uint16_t* sg = sc + (size_t)b0 * sstride;
+    const int8_t* zg = ZP ? zp + (size_t)b0 * sstride : nullptr;
     for (int m0 = 0; m0 < M; m0 += QMR) {
       const int rows = M - m0 < QMR ? M - m0 : QMR;
-      if (nb == 4) quant_tile_rows<4, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
-      else if (nb == 3) quant_tile_rows<3, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
-      else if (nb == 2) quant_tile_rows<2, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
-      else quant_tile_rows<1, BITS>(rows, x, m0, K, qg, qstride, sg, sstride, group, y, N, b0 * 16, store);
+      const int n0 = b0 * 16;
+      const size_t ss = sstride;
+      if (nb == 4) quant_tile_rows<4, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      else if (nb == 3) quant_tile_rows<3, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      else if (nb == 2) quant_tile_rows<2, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      else quant_tile_rows<1, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
     }
   }
 }
 
 template <typename XY>
-static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, XY* y, int M, int N, int K, int bits,
-                        int group, int threads) {
+static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, const int8_t* zp, XY* y, int M, int N,
+                        int K, int bits, int group, int threads) {
   if ((bits != 8 && bits != 4) || group % QK || K % group || N % 16) return 1;
   const int blocks = K / QK;
   // x's int8 values, then its block scales and sums, in one scratch buffer
@@ -261,20 +296,23 @@ static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, XY* y
     if constexpr (sizeof(XY) == 4) simd::store((float*)p, v);
     else simd::store_bf16((uint16_t*)p, v);
   };
-  if (bits == 8) quant_product<8>(xq, q, sc, y, M, N, K, group, threads, store);
-  else quant_product<4>(xq, q, sc, y, M, N, K, group, threads, store);
+  // the symmetric forms stay as they were: zero points are a form of their own, not a zero vector
+  if (bits == 8 && zp) quant_product<8, true>(xq, q, sc, zp, y, M, N, K, group, threads, store);
+  else if (bits == 8) quant_product<8, false>(xq, q, sc, zp, y, M, N, K, group, threads, store);
+  else if (zp) quant_product<4, true>(xq, q, sc, zp, y, M, N, K, group, threads, store);
+  else quant_product<4, false>(xq, q, sc, zp, y, M, N, K, group, threads, store);
   return 0;
 }
 
 }  // namespace
 
 extern "C" {
-int quant_linear_f32(const float* x, const uint8_t* q, const uint16_t* scales, float* y, int M, int N, int K, int bits,
-                     int group, int threads) {
-  return quant_linear(x, q, scales, y, M, N, K, bits, group, threads);
+int quant_linear_f32(const float* x, const uint8_t* q, const uint16_t* scales, const int8_t* zeros, float* y, int M,
+                     int N, int K, int bits, int group, int threads) {
+  return quant_linear(x, q, scales, zeros, y, M, N, K, bits, group, threads);
 }
-int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* scales, uint16_t* y, int M, int N, int K,
-                      int bits, int group, int threads) {
-  return quant_linear(x, q, scales, y, M, N, K, bits, group, threads);
+int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* scales, const int8_t* zeros, uint16_t* y,
+                      int M, int N, int K, int bits, int group, int threads) {
+  return quant_linear(x, q, scales, zeros, y, M, N, K, bits, group, threads);
 }
 }

@@ -1,5 +1,7 @@
 """Weight-only quantized projections: int8 and int4 values in groups along k, one float16 scale per
-output row and group, W[n, k] = q[n, k] * scale[n, k // group]. The torch reference and the
+output row and group, W[n, k] = q[n, k] * scale[n, k // group], or with a zero point per row and
+group as well (asymmetric formats: compressed-tensors `symmetric: false`, GPTQ `sym: false`),
+W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group]. The torch reference and the
 native kernel (quant_linear.cpp) of the product, and the linear method that holds a layer's
 weights this way (`QuantizedLinearMethod`).
 
@@ -19,6 +21,7 @@ consecutive k of a column in each 32-bit lane (what vpdpbusd reads):
             int4: uint8 [N/16, K/8, 16, 4], byte j of step s holding k = 8 s + j in its low
             nibble and 8 s + 4 + j in its high one, each q + 8
     scales  float16 [N/16, K / group, 16]
+    zeros   int8 [N/16, K / group, 16] (asymmetric weights only; `pack_zeros`)
 
 The native kernel rounds x to int8 in blocks of 32 (llama.cpp's Q8_0, as its quantized products
 do) and sums integers (quant_linear.cpp says why); `quant_linear_reference` computes the same
@@ -43,15 +46,23 @@ _QMIN = {8: -127, 4: -8}
 
 
 class QuantizedWeight(NamedTuple):
-    """A quantized [N, K] weight as formats hand it over: values int8 [N, K] (in [-127, 127] or
+    """A quantized [N, K] weight as formats hand it over: values int8 [N, K] (in [-128, 127] or
     [-8, 7]), scales float16 [N, K / group_size]. input_order: where the format's groups are not
     contiguous columns (GPTQ's act-order), the columns' order in `values` (x is gathered into it
-    before each product); None: as stored."""
+    before each product); None: as stored. zeros: int8 [N, K / group_size], the zero points of
+    asymmetric weights, W = (values - zeros) * scales; None: symmetric, W = values * scales.
+
+    Asymmetric weights keep both in the formats' stored unsigned domain less its middle: codes
+    q and z in [0, 2^bits - 1] are held as q - 2^(bits-1) and z - 2^(bits-1). q - z itself
+    would not fit int8 (int8 codes differ by up to 255), this does exactly, and the byte the
+    kernel stores (value + 128, or + 8) is then the code q itself. A zero point may be any int8
+    (GPTQ v1's reach 2^bits: 16 at int4, held as 8)."""
     values: torch.Tensor
     scales: torch.Tensor
     bits: int
     group_size: int
     input_order: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
 
 
 def check_scheme(bits: int, group_size: int, in_features: int | None = None) -> None:
@@ -123,15 +134,29 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The float32 [N, K] weight a QuantizedWeight stands for."""
     n, k = qw.values.shape
     groups = qw.values.float().reshape(n, k // qw.group_size, qw.group_size)
+    if qw.zeros is not None:
+        groups = groups - qw.zeros.float()[..., None]
     return (groups * qw.scales.float()[..., None]).reshape(n, k)
 
 
+def _by_column_block(per_group: torch.Tensor) -> torch.Tensor:
+    """[N, K / group] (scales, zero points) -> [N/16, K / group, 16], N padded with zeros."""
+    per_group = F.pad(per_group, (0, 0, 0, -per_group.shape[0] % BLOCK))
+    return per_group.reshape(-1, BLOCK, per_group.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_zeros(qw: QuantizedWeight) -> torch.Tensor | None:
+    """The zero points in the kernel's layout, int8 [N/16, K / group, 16] (None: symmetric)."""
+    return None if qw.zeros is None else _by_column_block(qw.zeros.to(torch.int8))
+
+
 def pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout (the module docstring): (q uint8, scales float16), N padded to 16."""
-    values, scales = qw.values, qw.scales
+    """The kernel's layout (the module docstring): (q uint8, scales float16), N padded to 16;
+    `pack_zeros` lays out the zero points of asymmetric weights."""
+    values = qw.values
     pad = -values.shape[0] % BLOCK
     if pad:
-        values, scales = F.pad(values, (0, 0, 0, pad)), F.pad(scales, (0, 0, 0, pad))
+        values = F.pad(values, (0, 0, 0, pad))
     n, k = values.shape
     if k % 8:
         raise ValueError(f"packed quantized weights need a multiple of 8 input columns, not {k}")
@@ -141,24 +166,31 @@ def pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     else:                                              # k = 8 s + 4 h + j -> [N/16, K/8, 16, h, j]
         nibbles = shifted.reshape(n // BLOCK, BLOCK, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
         q = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
-    return q.to(torch.uint8).contiguous(), scales.reshape(n // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
+    return q.to(torch.uint8).contiguous(), _by_column_block(qw.scales)
+
+
+def _rows_of(blocked: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[N/16, X, 16, ...] -> [N_padded, X, ...], or only its `rows`."""
+    if rows is not None:
+        return blocked[rows // BLOCK, :, rows % BLOCK]
+    return blocked.transpose(1, 2).reshape(-1, *blocked.shape[1:2], *blocked.shape[3:])
 
 
 def unpack(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-           rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 dequantized weight [N_padded, K] from the packed layout, or only its `rows`
-    (int64 ids: a tied embedding reading lm_head's table)."""
-    if rows is not None:
-        q, scales = q[rows // BLOCK, :, rows % BLOCK], scales[rows // BLOCK, :, rows % BLOCK]  # [n, steps, 4], [n, G]
-    else:
-        q = q.transpose(1, 2).reshape(-1, q.shape[1], 4)
-        scales = scales.transpose(1, 2).reshape(-1, scales.shape[1])
+           rows: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 dequantized weight [N_padded, K] from the packed layout (zeros: the packed
+    zero points of asymmetric weights), or only its `rows` (int64 ids: a tied embedding reading
+    lm_head's table)."""
+    q, scales = _rows_of(q, rows), _rows_of(scales, rows)                # [n, steps, 4], [n, G]
     if bits == 8:
         values = q.reshape(q.shape[0], -1).to(torch.int16) - 128
     else:
         values = torch.stack([q & 15, q >> 4], dim=-2).reshape(q.shape[0], -1).to(torch.int16) - 8
     n, k = values.shape
-    return (values.float().reshape(n, k // group_size, group_size) * scales.float()[..., None]).reshape(n, k)
+    groups = values.float().reshape(n, k // group_size, group_size)
+    if zeros is not None:
+        groups = groups - _rows_of(zeros, rows).float()[..., None]
+    return (groups * scales.float()[..., None]).reshape(n, k)
 
 
 ACTIVATION_BLOCK = 32       # k per scale of x where the product quantizes it (quant_linear.cpp)
@@ -176,12 +208,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
-                             group_size: int, rows_at_once: int = 16) -> torch.Tensor:
+                             group_size: int, zeros: torch.Tensor | None, rows_at_once: int = 16) -> torch.Tensor:
     """The native kernel's steps in torch: per block of 32 k, the exact integer sum of x's int8
-    values times W's, times (W's group scale x x's block scale), added in block order in float32,
-    each product and sum rounded on its own: the kernel's bits."""
+    values times W's (less its zero point: the kernel's sum less zero x the block's sum of x,
+    the same integer), times (W's group scale x x's block scale), added in block order in
+    float32, each product and sum rounded on its own: the kernel's bits."""
     x = x.reshape(-1, x.shape[-1])
-    values = unpack(q, torch.ones_like(scales), bits, group_size).double()      # W's integers [N, K]
+    ones = torch.ones_like(scales)
+    values = unpack(q, ones, bits, group_size, zeros=zeros).double()            # W's integers [N, K]
     n, k = values.shape
     blocks = k // ACTIVATION_BLOCK
     w_blocks = values.reshape(n, blocks, ACTIVATION_BLOCK)
@@ -199,19 +233,22 @@ def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Ten
 
 
 def quant_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
-                           group_size: int, int8_activations: bool = False) -> torch.Tensor:
+                           group_size: int, int8_activations: bool = False,
+                           zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N_padded] in torch ops, x's dtype out: float32 x and float32
-    accumulation, or (int8_activations) the native kernel's own steps, bit for bit."""
+    accumulation, or (int8_activations) the native kernel's own steps, bit for bit. zeros: the
+    packed zero points of asymmetric weights."""
     if int8_activations:
-        y = _int8_activation_product(x, q, scales, bits, group_size)
+        y = _int8_activation_product(x, q, scales, bits, group_size, zeros)
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-    return (x.float() @ unpack(q, scales, bits, group_size).t()).to(x.dtype)
+    return (x.float() @ unpack(q, scales, bits, group_size, zeros=zeros).t()).to(x.dtype)
 
 
-def quant_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                 zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The same with the native kernel (x quantized to int8 in blocks of 32: the process's level
     must run the kernels; group_size a multiple of 32)."""
-    return torch.ops.hybrid_engine_cpu.linear_quant.default(x, q, scales, bits, group_size)
+    return torch.ops.hybrid_engine_cpu.linear_quant.default(x, q, scales, zeros, bits, group_size)
 
 
 def native_takes(group_size: int) -> bool:
@@ -314,8 +351,12 @@ class QuantizedLinearMethod(LinearMethod):
                 o is not None and not torch.equal(o, orders[0]) for o in orders):
             raise ValueError(f"the merged projections {list(by_shard)} read their input in different orders "
                              "(act-order groups differ between them): not supported")
+        zeros = None
+        if any(q.zeros is not None for q in quantized):          # a merged layer is asymmetric if one part is
+            zeros = torch.cat([torch.zeros_like(q.scales, dtype=torch.int8) if q.zeros is None else q.zeros
+                               for q in quantized])
         qw = QuantizedWeight(torch.cat([q.values for q in quantized]), torch.cat([q.scales for q in quantized]),
-                             self.bits, self.group_size, orders[0])
+                             self.bits, self.group_size, orders[0], zeros)
         self.load_quantized(layer, qw, torch.cat(tail) if tail else None, layer.weight.dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -337,7 +378,12 @@ class QuantizedLinearMethod(LinearMethod):
             raise ValueError(f"int{qw.bits} weights in groups of {qw.group_size} handed to a method of "
                              f"int{self.bits} in groups of {self.group_size}")
         layer.quantized_rows = qw.values.shape[0]
+        if qw.zeros is None and qw.bits == 8 and int(qw.values.min()) == -128:
+            # the symmetric int8 forms without VNNI multiply |x| by the weight with x's sign,
+            # and -(-128) does not fit a byte: the zero-point forms take -128 (zero points 0)
+            qw = qw._replace(zeros=torch.zeros_like(qw.scales, dtype=torch.int8))
         layer.qweight, layer.qscales = pack(qw)
+        layer.qzeros = pack_zeros(qw)
         layer.input_order = qw.input_order
         layer.float_tail = None if float_tail is None else float_tail.detach().to(dtype).clone()
         layer.tail_product = None if float_tail is None else self._tail_product(layer.float_tail)
@@ -348,10 +394,10 @@ class QuantizedLinearMethod(LinearMethod):
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
         if self.native and x.device.type == "cpu":
-            y = quant_linear(x, layer.qweight, layer.qscales, self.bits, self.group_size)
+            y = quant_linear(x, layer.qweight, layer.qscales, self.bits, self.group_size, layer.qzeros)
         else:
             y = quant_linear_reference(x, layer.qweight, layer.qscales, self.bits, self.group_size,
-                                       self.int8_activations)
+                                       self.int8_activations, layer.qzeros)
         return y if y.shape[-1] == layer.quantized_rows else y[..., :layer.quantized_rows]
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -365,9 +411,9 @@ class QuantizedLinearMethod(LinearMethod):
         as the op's call itself: a 0.8B decode step makes about a hundred of them."""
         if (self.native and layer.float_tail is None and layer.input_order is None
                 and layer.qweight.device.type == "cpu" and layer.qweight.shape[0] * BLOCK == layer.quantized_rows):
-            op, q, scales, bits, group = (torch.ops.hybrid_engine_cpu.linear_quant.default, layer.qweight,
-                                          layer.qscales, self.bits, self.group_size)
-            return lambda x: op(x, q, scales, bits, group)
+            op, bits, group = torch.ops.hybrid_engine_cpu.linear_quant.default, self.bits, self.group_size
+            # the weights read at each call: load_quantized may replace them after this
+            return lambda x: op(x, layer.qweight, layer.qscales, layer.qzeros, bits, group)
         return super().product(layer)
 
     def _tail_product(self, tail: torch.Tensor):
@@ -386,7 +432,7 @@ class QuantizedLinearMethod(LinearMethod):
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.float_tail is not None:
             raise NotImplementedError("rows of a layer with float shards")
-        rows = unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids)
+        rows = unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids, zeros=layer.qzeros)
         if layer.input_order is not None:
             rows = torch.empty_like(rows).index_copy_(-1, layer.input_order, rows)
         return rows.to(layer.weight_dtype)

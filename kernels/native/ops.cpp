@@ -111,8 +111,10 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
 }
 
 // x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, K * bits / 32, 16, 4] (four k of
-// a column per lane), scales float16 [N/16, K / group, 16] (kernels/linear/quantized.py).
-Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, int64_t bits, int64_t group) {
+// a column per lane), scales float16 [N/16, K / group, 16], and for asymmetric weights zeros
+// int8 laid out as the scales (kernels/linear/quantized.py).
+Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, const std::optional<Tensor>& zeros,
+                       int64_t bits, int64_t group) {
   const int64_t k = x.dim() ? x.size(-1) : 0;
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
   TORCH_CHECK_VALUE(group >= 32 && group % 32 == 0 && k % group == 0, "linear_quant: group ", group,
@@ -126,6 +128,10 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, i
   TORCH_CHECK_VALUE(fits, "linear_quant: x ", shape(x), " ", dtype_name(x), " does not fit int", bits,
                     " weights ", shape(q), " ", dtype_name(q), " with scales ", shape(scales), " ", dtype_name(scales),
                     " in groups of ", group);
+  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->sizes() == scales.sizes() &&
+                               zeros->is_contiguous()),
+                    "linear_quant: zeros ", zeros ? shape(*zeros) : "", " ", zeros ? dtype_name(*zeros) : "",
+                    " are not int8 laid out as the scales ", shape(scales));
   const int64_t n = q.size(0) * 16;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
@@ -135,10 +141,12 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, i
   const Tensor xc = dense(x);
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
   const auto* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
+  const auto* zp = zeros ? static_cast<const int8_t*>(zeros->const_data_ptr()) : nullptr;
   if (x.scalar_type() == at::kFloat)
-    quant_linear_f32(xc.const_data_ptr<float>(), qp, sp, y.mutable_data_ptr<float>(), m, n, k, bits, group, threads());
+    quant_linear_f32(xc.const_data_ptr<float>(), qp, sp, zp, y.mutable_data_ptr<float>(), m, n, k, bits, group,
+                     threads());
   else
-    quant_linear_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()), qp, sp,
+    quant_linear_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()), qp, sp, zp,
                       static_cast<uint16_t*>(y.mutable_data_ptr()), m, n, k, bits, group, threads());
   return y;
 }
@@ -636,7 +644,7 @@ void define_ops(torch::Library& m) {
   // schemas of the ops they call, and would serve graphs compiled for the old schema.
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
   m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, int bits, int group) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? zeros, int bits, int group) -> Tensor");
   m.def("quantize_int4(Tensor w, int group) -> (Tensor, Tensor)");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "

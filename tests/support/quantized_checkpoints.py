@@ -1,5 +1,6 @@
 """What the quantized-checkpoint tests share: an engine on a tiny checkpoint, its greedy runs,
-broken copies of a checkpoint, and FP8 block quantization as Qwen's FP8 releases store it."""
+broken copies of a checkpoint, FP8 block quantization as Qwen's FP8 releases store it, and
+asymmetric codes for the formats with zero points."""
 
 from __future__ import annotations
 
@@ -62,3 +63,27 @@ def to_fp8(w: torch.Tensor, block: int, scale_dtype: torch.dtype) -> tuple[torch
     scale = (amax / 448).to(scale_dtype)
     expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
     return (w.float() / expanded).to(torch.float8_e4m3fn), scale
+
+
+def asymmetric_codes(w: torch.Tensor, bits: int, group: int, seed: int, lowest_zero: int = 0):
+    """w [N, K] -> (codes, zero points, scales) of asymmetric quantization, W ~ (code - zero) *
+    scale: codes int64 [N, K] and zero points int64 [N, K / group] in [0, 2^bits - 1], scales
+    float16 [N, K / group]. Each group's scale is its min-max one widened at random by up to 2x,
+    and its zero point drawn at random where the group's codes still fit: zero points over
+    much of the range, not only near the middle. lowest_zero: GPTQ v1 cannot store 0."""
+    g = torch.Generator().manual_seed(seed)
+    top = (1 << bits) - 1
+    groups = w.float().reshape(w.shape[0], -1, group)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scales = ((hi - lo) / top * (1 + torch.rand(lo.shape, generator=g))).clamp(min=1e-4).half()
+    s = scales.float()
+    z_min = (-torch.round(lo / s)).clamp(lowest_zero, top)
+    z_max = torch.maximum(z_min, (top - torch.round(hi / s)).clamp(max=top))
+    zeros = z_min + torch.floor(torch.rand(lo.shape, generator=g) * (z_max - z_min + 1)).clamp(max=z_max - z_min)
+    codes = (torch.round(groups / s[..., None]) + zeros[..., None]).clamp(0, top)
+    return codes.reshape(w.shape).long(), zeros.long(), scales
+
+
+def asymmetric_dequantized(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """The float32 weight asymmetric codes stand for: (code - zero) * scale."""
+    return (codes - zeros.repeat_interleave(group, 1)).float() * scales.float().repeat_interleave(group, 1)
