@@ -37,14 +37,19 @@ def assert_close_to_reference(got, want, max_ulps: int = 1):
     2 for the gated norm, which rounds three times (the normed x, its product with the weight,
     the gated output): a one-ulp difference at the first rounding can grow to two through the
     later ones (hypothesis found one: a normed 1.87891 at the midpoint of two bf16 values, its
-    product with the weight then rounded in the next binade; 1 of 564 outputs)."""
+    product with the weight then rounded in the next binade; 1 of 564 outputs). How many may be
+    one ulp apart: a row whose 1 / rms differs from the reference's by one float32 ulp (the sum
+    of squares in another order) flips the bf16 rounding of its normed values together, not one
+    by one, since x's 8-bit mantissas put many products at the same spot between two bf16 values
+    (hypothesis found one: 4 of a row's 210 gated outputs); 1% still fails a kernel that is off
+    everywhere."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:
         ulps = (got.contiguous().view(torch.int16).int() - want.contiguous().view(torch.int16).int()).abs()
         assert int(ulps.max()) <= max_ulps, f"{int((ulps > max_ulps).sum())} outputs more than {max_ulps} bf16 ulps apart"
-        assert int((ulps > 0).sum()) <= 2 + got.numel() // 1000, "too many outputs one ulp apart"
+        assert int((ulps > 0).sum()) <= 4 + got.numel() // 100, "too many outputs one ulp apart"
 
 
 def assert_rope_close_to_reference(got, want):
