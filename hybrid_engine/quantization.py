@@ -111,10 +111,11 @@ class QuantizedLayers:
         return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
                                      int8_activations=self.int8_activations)
 
-    def progress_bar(self, layers):
-        """The layers as they are processed (quantized), with a progress bar on a terminal."""
+    def progress_bar(self, tensors):
+        """The checkpoint's tensors as they load (each layer quantized once its last one is in),
+        with a progress bar on a terminal."""
         from tqdm import tqdm
-        return tqdm(layers, desc=f"quantizing to {self.scheme.method}", unit="layer", leave=False, disable=None)
+        return tqdm(tensors, desc=f"quantizing to {self.scheme.method}", unit="tensor", leave=False, disable=None)
 
     def report(self) -> None:
         if self.kept_float:
@@ -177,8 +178,8 @@ class CheckpointLayers:
                                      int8_activations=native if self.int8_activations is None else self.int8_activations,
                                      checkpoint=scheme)
 
-    def progress_bar(self, layers):
-        return layers                                  # nothing to quantize: the layers only repack
+    def progress_bar(self, tensors):
+        return tensors                                 # nothing to quantize: the layers only repack
 
     def report(self) -> None:
         pass
@@ -212,8 +213,8 @@ class GgufLayers:
         return QuantizedLinearMethod(max(quantized), GROUP, native=self.native, float_shards=float_shards,
                                      checkpoint=GgufBlocks(max(quantized)), float_method=self.float_method)
 
-    def progress_bar(self, layers):
-        return layers
+    def progress_bar(self, tensors):
+        return tensors
 
     def report(self) -> None:
         self.file.report()

@@ -4,6 +4,7 @@ hybrid_engine/checkpoint_formats/gguf.py)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -17,7 +18,7 @@ from hybrid_engine.kernels.linear import LinearMethod
 from .config import ConfigError, ModelConfig, load_config
 from .linear import Linear
 from .mlp import Experts
-from .loader import load_weights, resolve_dtype
+from .loader import WeightStream, load_weights, resolve_dtype
 from .qwen3_5 import HybridForCausalLM
 
 
@@ -26,8 +27,9 @@ class CheckpointSource(Protocol):
     config: ModelConfig
 
     def load_weights(self, config: ModelConfig, expected: dict[str, tuple[int, ...]],
-                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """`expected`'s tensors (the MTP head's left out if the checkpoint has none)."""
+                     dtype: torch.dtype) -> WeightStream:
+        """`expected`'s tensors (the MTP head's left out if the checkpoint has none), read as
+        the stream is iterated."""
 
 
 def checkpoint_shapes(model: HybridForCausalLM) -> dict[str, tuple[int, ...]]:
@@ -35,23 +37,24 @@ def checkpoint_shapes(model: HybridForCausalLM) -> dict[str, tuple[int, ...]]:
     `model.`) -> shapes: each projection layer's own (`Linear.checkpoint_shapes`: a merged layer
     names each of its projections), every other parameter under its module's name. A tied
     lm_head has none of its own."""
-    return {name: shape for name, (shape, _) in _checkpoint_tensors(model).items()}
+    return {name: shape for name, (shape, _, _) in _checkpoint_tensors(model).items()}
 
 
-def _checkpoint_tensors(model: HybridForCausalLM) -> dict[str, tuple[tuple[int, ...], Callable]]:
+def _checkpoint_tensors(model: HybridForCausalLM) -> dict[str, tuple[tuple[int, ...], Callable, nn.Module]]:
     """Checkpoint name -> (shape, what takes that tensor: the projection layer's weight loader,
-    or the assignment of a module's parameter)."""
+    or the assignment of a module's parameter; the module that holds it)."""
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             if name == "lm_head" and model.cfg.tie_word_embeddings:
                 continue                  # loaded with the embedding table (load_model)
             for ckpt_name, shape in module.checkpoint_shapes(name).items():
-                tensors[ckpt_name] = (shape, lambda t, n=ckpt_name, m=module: m.weight_loader(n, t))
+                tensors[ckpt_name] = (shape, lambda t, n=ckpt_name, m=module: m.weight_loader(n, t), module)
         else:
             for pname, p in module.named_parameters(recurse=False):
                 tensors[f"{name}.{pname}" if name else pname] = (
-                    tuple(p.shape), lambda t, m=module, a=pname: setattr(m, a, nn.Parameter(t, requires_grad=False)))
+                    tuple(p.shape), lambda t, m=module, a=pname: setattr(m, a, nn.Parameter(t, requires_grad=False)),
+                    module)
     return tensors
 
 
@@ -67,10 +70,12 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     engine's kernel backend's; None: plain weights); methods: name, layer -> the method of each
     projection layer instead, where the choice is per layer (hybrid_engine/quantization.py), and
     of each MoE layer's experts (None: the stacked float weights; models/mlp.py Experts).
-    The loader hands each tensor to what takes it, then every layer processes its weights once
-    (`process_weights_after_loading`; progress: wraps the iterable of layers, a progress bar).
-    source: where the config and weights come from instead of `folder`'s config.json and
-    safetensors."""
+    The loader reads the checkpoint one tensor at a time and hands each to what takes it; a
+    layer processes its weights (`process_weights_after_loading`: quantizes, repacks) as soon as
+    its last tensor has arrived, so the float model never exists whole: loading holds the
+    processed layers, the one being filled and one tensor read (progress: wraps the stream of
+    tensors, a progress bar). source: where the config and weights come from instead of
+    `folder`'s config.json and safetensors."""
     cfg = source.config if source is not None else load_config(folder)
     if with_mtp and cfg.mtp_num_hidden_layers == 0:
         where = folder if source is not None else Path(folder) / "config.json"
@@ -91,16 +96,27 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
                 if isinstance(module, Linear):
                     module.use_method(methods(name, module), torch_dtype)
     tensors = _checkpoint_tensors(model)
-    expected = {name: shape for name, (shape, _) in tensors.items()}
-    weights = (source.load_weights(cfg, expected, torch_dtype) if source is not None
-               else load_weights(folder, cfg, expected, torch_dtype))
-    if not with_mtp or not any(name.startswith("mtp.") for name in weights):
-        weights = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
+    expected = {name: shape for name, (shape, _, _) in tensors.items()}
+    stream = (source.load_weights(cfg, expected, torch_dtype) if source is not None
+              else load_weights(folder, cfg, expected, torch_dtype))
+    keep_mtp = with_mtp and any(name.startswith("mtp.") for name in stream.names)
+    if not keep_mtp:
         model.mtp = None
-    for name, tensor in weights.items():
-        tensors[name][1](tensor.to(device))
+    kept = [name for name in stream.names if keep_mtp or not name.startswith("mtp.")]
+    waiting = Counter(tensors[name][2] for name in kept)      # module -> its tensors still to come
+    processed = set()
+    for name, tensor in (progress(stream) if progress is not None else stream):
+        if name.startswith("mtp.") and not keep_mtp:
+            continue                                          # read and checked, not kept
+        _, take, module = tensors[name]
+        take(tensor.to(device))
+        del tensor
+        waiting[module] -= 1
+        if waiting[module] == 0 and hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+            processed.add(module)
     if cfg.tie_word_embeddings:
         model.lm_head.weight_loader("lm_head.weight", model.embed_tokens.weight)
-    model.process_weights_after_loading(progress)
+    model.process_weights_after_loading(processed=processed)
     model.requires_grad_(False)
     return model.eval(), cfg

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -184,6 +184,22 @@ def checkpoint_names(folder: str | Path) -> dict[str, str]:
     return names
 
 
+class WeightStream:
+    """A checkpoint's tensors by internal name, read one at a time as they are iterated
+    ((name, tensor) pairs; `dict(stream)` reads them all): the caller can take each tensor into
+    its layer, and a layer quantize or repack its weights, before the next one is read, so
+    loading never holds the whole model in the load dtype. names: every name it gives, in order."""
+
+    def __init__(self, names: list[str], read: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
+        self.names, self._read = names, read
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._read()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 # ---- main entry point ----------------------------------------------------------------------------
 
 def load_weights(
@@ -192,9 +208,10 @@ def load_weights(
     expected: Mapping[str, torch.Size | tuple[int, ...]],
     dtype: torch.dtype,
     optional_prefixes: tuple[str, ...] = ("mtp.",),
-) -> dict[str, torch.Tensor]:
-    """Read every tensor named in `expected` (internal names -> shapes) from `folder`'s safetensors,
-    converted to the internal layout and cast to `dtype`.
+) -> WeightStream:
+    """Every tensor named in `expected` (internal names -> shapes) from `folder`'s safetensors,
+    converted to the internal layout and cast to `dtype`: checked against the headers now, read
+    one at a time as the stream is iterated (`dict(...)` reads them all).
 
     Tensors under an `optional_prefixes` prefix are all-or-nothing: if the checkpoint has none of
     them they are left out of the result; if it has some, every expected one must be there.
@@ -344,58 +361,65 @@ def load_weights(
         elif kind == "ba":
             _check_ba(config, ba[arg], wanted, arg)
 
-    # 5. read, convert, cast (one source tensor at a time)
-    out: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
+    # 5. read, convert, cast (one source tensor at a time, as the caller takes them)
+    def read_all() -> Iterator[tuple[str, torch.Tensor]]:
+        handles: dict[Path, object] = {}
 
-    def read(src: _Source) -> torch.Tensor:
-        try:
-            f = handles.get(src.file)
-            if f is None:
-                f = handles[src.file] = safe_open(str(src.file), framework="pt")
-            return f.get_tensor(src.key)
-        except Exception as e:
-            raise CheckpointError(f"cannot read tensor {src.key} from checkpoint file {src.file}: {e}") from e
+        def read(src: _Source) -> torch.Tensor:
+            try:
+                f = handles.get(src.file)
+                if f is None:
+                    f = handles[src.file] = safe_open(str(src.file), framework="pt")
+                return f.get_tensor(src.key)
+            except Exception as e:
+                raise CheckpointError(f"cannot read tensor {src.key} from checkpoint file {src.file}: {e}") from e
 
-    def read_as_stored(t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous()
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
+        def checked(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+            _check_finite(t, name_in_file(name), dtype)
+            return name, t
 
-    try:
-        for name in wanted:
-            if name in out:
-                continue
-            kind, arg = provided[name]
-            if kind == "direct":
-                out[name] = read(arg).contiguous() if stored_as_is(name) else cast(read(arg))
-            elif kind == "experts_gate_up":
-                projs = experts[arg]
-                n = len(projs["gate_proj"])
-                out[name] = torch.stack(
-                    [cast(torch.cat([read(projs["gate_proj"][e]), read(projs["up_proj"][e])], dim=0))
-                     for e in range(n)]
-                )
-            elif kind == "experts_down":
-                projs = experts[arg]
-                out[name] = torch.stack([cast(read(projs["down_proj"][e])) for e in range(len(projs["down_proj"]))])
-            elif kind == "qkvz":
+        def grouped_parts(kind: str, arg) -> dict[str, torch.Tensor]:
+            """Both parts of a grouped Qwen3-Next tensor (one read), those the caller wants."""
+            if kind == "qkvz":
                 prefix, suffix = arg
                 if suffix == "weight_zero_point":
                     qkv, z = split_packed_qkvz(read(qkvz[arg]), config)
                 else:
                     qkv, z = split_qkvz(read(qkvz[arg]), config, rows_only=suffix == "weight_shape")
-                keep = read_as_stored if stored_as_is(suffix) else cast
-                out[f"{prefix}.in_proj_qkv.{suffix}"], out[f"{prefix}.in_proj_z.{suffix}"] = keep(qkv), keep(z)
-            elif kind == "ba":
+                keep = (lambda t: t.contiguous()) if stored_as_is(suffix) else cast
+                parts = {f"{prefix}.in_proj_qkv.{suffix}": keep(qkv), f"{prefix}.in_proj_z.{suffix}": keep(z)}
+            else:
                 b, a = split_ba(read(ba[arg]), config)
-                out[f"{arg}.in_proj_b.weight"], out[f"{arg}.in_proj_a.weight"] = cast(b), cast(a)
-    finally:
-        handles.clear()
-    for name in wanted:
-        _check_finite(out[name], name_in_file(name), dtype)
-    return {k: out[k] for k in wanted}
+                parts = {f"{arg}.in_proj_b.weight": cast(b), f"{arg}.in_proj_a.weight": cast(a)}
+            return {n: t for n, t in parts.items() if n in wanted}
+
+        split: dict[str, torch.Tensor] = {}     # the parts of a grouped tensor not handed out yet
+
+        try:
+            for name in wanted:
+                kind, arg = provided[name]
+                if kind == "direct":
+                    yield checked(name, read(arg).contiguous() if stored_as_is(name) else cast(read(arg)))
+                elif kind == "experts_gate_up":
+                    projs = experts[arg]
+                    yield checked(name, torch.stack(
+                        [cast(torch.cat([read(projs["gate_proj"][e]), read(projs["up_proj"][e])], dim=0))
+                         for e in range(len(projs["gate_proj"]))]))
+                elif kind == "experts_down":
+                    projs = experts[arg]
+                    yield checked(name, torch.stack([cast(read(projs["down_proj"][e]))
+                                                     for e in range(len(projs["down_proj"]))]))
+                else:                 # a part of a grouped tensor: one read splits it into all its parts
+                    if name not in split:
+                        split.update(grouped_parts(kind, arg))
+                    yield checked(name, split.pop(name))
+        finally:
+            handles.clear()
+
+    return WeightStream(list(wanted), read_all)
 
 
 def _check_finite(t: torch.Tensor, what: str, dtype: torch.dtype) -> None:

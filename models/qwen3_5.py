@@ -82,14 +82,14 @@ class HybridForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def process_weights_after_loading(self, progress=None) -> None:
+    def process_weights_after_loading(self, processed: set[nn.Module] = frozenset()) -> None:
         """Once, after loading: every layer derives what it keeps from its weights (projections
-        their method's layout, GDN its decay rate); a tied embedding table whose values lm_head
-        now holds elsewhere is freed; and no tensor left keeps the checkpoint file's memory map
-        resident. progress: wraps the list of layers (a progress bar), or None."""
-        layers = [m for m in self.modules() if m is not self and hasattr(m, "process_weights_after_loading")]
-        for module in (progress(layers) if progress is not None else layers):
-            module.process_weights_after_loading()
+        their method's layout, GDN its decay rate), but those in `processed` (done as their last
+        tensor loaded: models/load.py); a tied embedding table whose values lm_head now holds
+        elsewhere is freed; and no tensor left keeps the checkpoint file's memory map resident."""
+        for module in self.modules():
+            if module is not self and module not in processed and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
         if self.cfg.tie_word_embeddings and self.lm_head.method.holds_weight_elsewhere(self.lm_head):
             table = self.embed_tokens.weight
             self.embed_tokens.weight = nn.Parameter(torch.empty(table.shape, dtype=table.dtype, device="meta"),

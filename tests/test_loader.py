@@ -39,7 +39,7 @@ def plain_ckpts(models, tmp_path_factory):
 
 
 def load(folder, model, dtype=torch.float32, mtp=False):
-    return load_weights(folder, load_config(folder), internal_shapes(model, mtp=mtp), dtype)
+    return dict(load_weights(folder, load_config(folder), internal_shapes(model, mtp=mtp), dtype))
 
 
 def read_raw(folder) -> dict[str, torch.Tensor]:

@@ -28,14 +28,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from collections import Counter
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, quantize
 from hybrid_engine.models.config import CheckpointError, ModelConfig
-from hybrid_engine.models.loader import split_ba
+from hybrid_engine.models.loader import WeightStream, split_ba
 
 from .gguf_config import model_config
 from .gguf_layout import VHeadOrder, stored_in, to_engine
@@ -223,10 +224,11 @@ class GgufFile:
                                   f"{list(shape)}")
 
     def load_weights(self, config: ModelConfig, expected: Mapping[str, tuple[int, ...]],
-                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype) -> WeightStream:
         """Every tensor in `expected` (our names -> shapes; a quantized projection's as
-        `SUFFIXES`), float ones cast to `dtype`. The MTP head's are left out when the file has none
-        of them; any other missing tensor, or one the model does not take, is a CheckpointError."""
+        `SUFFIXES`), float ones cast to `dtype`, read as the stream is iterated. The MTP head's are
+        left out when the file has none of them; any other missing tensor, or one the model does
+        not take, is a CheckpointError (raised here, before any data is read)."""
         base = {name: (name.rpartition(".")[0] + ".weight" if name.endswith(SUFFIXES) else name) for name in expected}
         sources = {name: self._sources(base[name]) for name in expected}
         unknown = [name for name, s in sources.items() if not s]
@@ -249,21 +251,31 @@ class GgufFile:
         for name in expected:
             for s in sources[name]:
                 self._check_type(s)
-        out, quantized = {}, {}
+        for name, shape in expected.items():
+            if name.endswith(SUFFIXES):
+                w = base[name]
+                self._check_shape(w, sources[name], expected[w.rpartition(".")[0] + ".weight_values"])
+            else:
+                self._check_shape(name, sources[name], shape)
+        return WeightStream(list(expected), lambda: self._read(expected, sources, base, dtype))
+
+    def _read(self, expected: Mapping[str, tuple[int, ...]], sources: dict[str, list[str]],
+              base: dict[str, str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """load_weights' tensors one at a time; a quantized projection's values and scales come
+        from one read of its blocks, kept only until both are handed out."""
+        quantized, left = {}, Counter(base[name] for name in expected if name.endswith(SUFFIXES))
         for name, shape in expected.items():
             srcs = sources[name]
             if name.endswith(SUFFIXES):
                 w = base[name]
                 if w not in quantized:
-                    values_shape = expected[w.rpartition(".")[0] + ".weight_values"]
-                    self._check_shape(w, srcs, values_shape)
                     quantized[w] = self._quantized(w, srcs[0])
-                qw = quantized[w]
-                out[name] = qw.values if name.endswith("weight_values") else qw.scales
+                left[w] -= 1
+                qw = quantized[w] if left[w] else quantized.pop(w)
+                yield name, qw.values if name.endswith("weight_values") else qw.scales
+                del qw
             else:
-                self._check_shape(name, srcs, shape)
-                out[name] = self._float_tensor(name, srcs, shape).to(dtype).contiguous()
-        return out
+                yield name, self._float_tensor(name, srcs, shape).to(dtype).contiguous()
 
     def report(self) -> None:
         if self.requantized:

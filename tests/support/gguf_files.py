@@ -38,7 +38,7 @@ def gguf_tensors(folder: Path) -> tuple[object, str, dict[str, torch.Tensor]]:
     expected = checkpoint_shapes(model)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    ours = load_weights(folder, cfg, expected, torch.float32)
+    ours = dict(load_weights(folder, cfg, expected, torch.float32))
     heads = None if arch == "qwen3next" else VHeadOrder(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                                         cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     out = {}
