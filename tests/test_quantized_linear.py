@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, QuantizedLinearMethod, QuantizedWeight,
                                                     _int4_search_torch, dequantize, pack, pack_zeros, quant_linear,
-                                                    quant_linear_reference, quantize, unpack)
+                                                    quant_linear_reference, quantize, quantize_packed, unpack)
 from hybrid_engine.kernels.native.isa import LEVELS, at_least
 from hybrid_engine.kernels.native.ops import native_ops
 from hybrid_engine.models.linear import Linear
@@ -162,6 +162,17 @@ def test_native_product_refuses_zero_points_that_do_not_fit(level):
         product(torch.randn(1, 64), q, scales, pack_zeros(qw).float(), 4, 32)
     with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
         product(torch.randn(1, 64), q, scales, pack_zeros(qw)[:, :1].contiguous(), 4, 32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([8, 4]), rows=st.integers(1, 80), slices=st.sampled_from([16, 32, 48]),
+       seed=st.integers(0, 2**16))
+def test_quantize_packed_in_slices_is_pack_of_quantize(bits, rows, slices, seed):
+    """Loading quantizes a float weight a slice of rows at a time (the last one padded): the same bits."""
+    w = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    q, scales = quantize_packed(w, bits, 32, rows_at_once=slices)
+    want_q, want_scales = pack(quantize(w, bits, 32))
+    assert torch.equal(q, want_q) and torch.equal(scales, want_scales)
 
 
 @needs_native

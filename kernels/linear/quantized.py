@@ -176,6 +176,32 @@ def _rows_of(blocked: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return blocked.transpose(1, 2).reshape(-1, *blocked.shape[1:2], *blocked.shape[3:])
 
 
+# Rows quantized and packed at a time where loading quantizes a float weight (a multiple of
+# BLOCK): a few MB of float32 transients instead of several copies of the whole weight.
+PACK_ROWS = 2048
+
+
+def quantize_packed(weight: torch.Tensor, bits: int, group_size: int,
+                    rows_at_once: int = PACK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack(quantize(weight)), the same bits, PACK_ROWS rows at a time written into the packed
+    tensors: loading then holds the float weight, its packed form and one slice's transients.
+    Whole, the float32 copies, int8 values and int16 nibbles of a 248k-row lm_head took about
+    four times its bf16 size at once."""
+    n, k = weight.shape
+    check_scheme(bits, group_size, k)
+    if rows_at_once % BLOCK:
+        raise ValueError(f"rows_at_once {rows_at_once} is not a multiple of {BLOCK}")
+    blocks = -(-n // BLOCK)
+    q = torch.empty(blocks, k * bits // 32, BLOCK, 4, dtype=torch.uint8)
+    scales = torch.empty(blocks, k // group_size, BLOCK, dtype=torch.float16)
+    for start in range(0, n, rows_at_once):
+        part_q, part_scales = pack(quantize(weight[start:start + rows_at_once], bits, group_size))
+        first = start // BLOCK
+        q[first:first + part_q.shape[0]] = part_q
+        scales[first:first + part_q.shape[0]] = part_scales
+    return q, scales
+
+
 def unpack(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
            rows: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 dequantized weight [N_padded, K] from the packed layout (zeros: the packed
@@ -367,8 +393,9 @@ class QuantizedLinearMethod(LinearMethod):
             return
         float_rows = self._float_rows(layer)
         quantized_rows = weight.shape[0] - float_rows
-        self.load_quantized(layer, quantize(weight[:quantized_rows], self.bits, self.group_size),
-                            weight[quantized_rows:] if float_rows else None, weight.dtype)
+        q, scales = quantize_packed(weight[:quantized_rows], self.bits, self.group_size)
+        self._hold(layer, q, scales, None, quantized_rows, None, weight[quantized_rows:] if float_rows else None,
+                   weight.dtype)
 
     def load_quantized(self, layer: nn.Module, qw: QuantizedWeight, float_tail: torch.Tensor | None,
                        dtype: torch.dtype) -> None:
@@ -377,14 +404,18 @@ class QuantizedLinearMethod(LinearMethod):
         if (qw.bits, qw.group_size) != (self.bits, self.group_size):
             raise ValueError(f"int{qw.bits} weights in groups of {qw.group_size} handed to a method of "
                              f"int{self.bits} in groups of {self.group_size}")
-        layer.quantized_rows = qw.values.shape[0]
         if qw.zeros is None and qw.bits == 8 and int(qw.values.min()) == -128:
             # the symmetric int8 forms without VNNI multiply |x| by the weight with x's sign,
             # and -(-128) does not fit a byte: the zero-point forms take -128 (zero points 0)
             qw = qw._replace(zeros=torch.zeros_like(qw.scales, dtype=torch.int8))
-        layer.qweight, layer.qscales = pack(qw)
-        layer.qzeros = pack_zeros(qw)
-        layer.input_order = qw.input_order
+        self._hold(layer, *pack(qw), pack_zeros(qw), qw.values.shape[0], qw.input_order, float_tail, dtype)
+
+    def _hold(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+              rows: int, input_order: torch.Tensor | None, float_tail: torch.Tensor | None,
+              dtype: torch.dtype) -> None:
+        layer.quantized_rows = rows
+        layer.qweight, layer.qscales, layer.qzeros = q, scales, zeros
+        layer.input_order = input_order
         layer.float_tail = None if float_tail is None else float_tail.detach().to(dtype).clone()
         layer.tail_product = None if float_tail is None else self._tail_product(layer.float_tail)
         layer.weight_dtype = dtype
