@@ -17,7 +17,6 @@ from hybrid_engine.models import load_model
 
 from .cache_sizing import DEFAULT_KV_TOKENS_PER_SEQ, build_cache, cache_spec_for
 from .config import EngineConfig
-from .compiled_steps import CompiledSteps
 from .cuda_graph_steps import CudaGraphSteps, default_buckets, graphs_supported
 from .draft_inputs import DraftInputBuilder
 from .engine_step import EngineStep
@@ -207,6 +206,9 @@ class LLMEngine:
                 graphs.capture()
             return graphs
         if cfg.enable_torch_compile:
+            # imported here: torch.compile's machinery (dynamo, inductor) holds about 110 MiB of
+            # memory once imported, which an eager engine never needs (benchmarks/RESULTS.md, issue 39)
+            from .compiled_steps import CompiledSteps
             return CompiledSteps(self.model, self.cache.pools)
         return EagerSteps(self.model, self.cache.pools)
 

@@ -43,8 +43,12 @@ class GatedDeltaNet(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """-exp(A_log) in fp32, a per-layer constant: computed at construction and after loading
-        rather than in every step (so an in-place edit of A_log takes effect only through this)."""
-        self.register_buffer("neg_decay_rate", -self.A_log.detach().float().exp(), persistent=False)
+        rather than in every step (so an in-place edit of A_log takes effect only through this).
+        On the meta device (a model built for loading) only its shape: torch computes meta exp in
+        python decompositions, which import dynamo (about 70 MiB an eager engine never uses)."""
+        a_log = self.A_log.detach()
+        rate = torch.empty(a_log.shape, device="meta") if a_log.is_meta else -a_log.float().exp()
+        self.register_buffer("neg_decay_rate", rate, persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
                 state_pool: torch.Tensor, checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None

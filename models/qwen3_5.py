@@ -30,7 +30,11 @@ class HybridForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False, method: LinearMethod | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Left uninitialised like every weight here (the loader assigns them): nn.Embedding's own
+        # init of a meta table runs through torch's python decompositions, which import dynamo
+        # (about 70 MiB resident that an eager engine never uses).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layers, counts = [], {"full_attention": 0, "linear_attention": 0}
         for i, kind in enumerate(cfg.layer_types):
             layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i, method), method))

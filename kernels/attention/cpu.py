@@ -32,7 +32,7 @@ def can_run_native(kv_cache: torch.Tensor, num_heads: int, query_len: int) -> bo
             and 0 < query_len * (num_heads // nkv) <= MAX_ROWS and native_available())
 
 
-@torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
+# (a constant to traced graphs: compiled_steps.py marks it so, where torch.compile is imported)
 def native_available() -> bool:
     return native_ops() is not None
 

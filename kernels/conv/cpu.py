@@ -27,7 +27,7 @@ def can_run_native(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Ten
             and weight.shape[1] in KERNEL_SIZES and native_available())
 
 
-@torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
+# (a constant to traced graphs: compiled_steps.py marks it so, where torch.compile is imported)
 def native_available() -> bool:
     return native_ops() is not None
 

@@ -44,7 +44,7 @@ def serves_layer(conv_pool: torch.Tensor, state_pool: torch.Tensor, conv_kernel:
             and hv % (key_dim // dk) == 0 and conv_kernel in KERNEL_SIZES and native_available())
 
 
-@torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
+# (a constant to traced graphs: compiled_steps.py marks it so, where torch.compile is imported)
 def native_available() -> bool:
     return native_ops() is not None
 

@@ -26,7 +26,7 @@ def can_run_native(state_pool: torch.Tensor) -> bool:
             and state_pool.is_contiguous() and dv % 16 == 0 and dv <= MAX_DV and native_available())
 
 
-@torch.compiler.assume_constant_result      # traced graphs take the answer as a constant
+# (a constant to traced graphs: compiled_steps.py marks it so, where torch.compile is imported)
 def native_available() -> bool:
     return native_ops() is not None
 
