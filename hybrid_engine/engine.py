@@ -56,22 +56,6 @@ def parse_speculative_config(spec: dict | None) -> int:
     return k
 
 
-def release_freed_memory() -> None:
-    """Hands the heap that loading freed back to the OS (glibc's malloc_trim; nothing elsewhere).
-    Loading casts, merges and quantizes weights through transient copies, and glibc keeps the
-    freed pages resident: a quantized 0.8B model held a third more memory after loading without
-    this (benchmarks/RESULTS.md, issue 39)."""
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("c")
-    try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
-
-
 class StepFailedError(RuntimeError):
     """LLMEngine.step() failed; the requests it was running (request_ids, the callers' ids) are
     aborted and every other request goes on. The original error is its __cause__."""
@@ -110,7 +94,6 @@ class LLMEngine:
             progress=quantized.progress_bar if quantized else None, source=gguf_file)
         if quantized:
             quantized.report()
-        release_freed_memory()
         self.tokenizer = gguf_file.tokenizer() if gguf_file is not None else load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")

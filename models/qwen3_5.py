@@ -89,16 +89,24 @@ class HybridForCausalLM(nn.Module):
     def process_weights_after_loading(self, processed: set[nn.Module] = frozenset()) -> None:
         """Once, after loading: every layer derives what it keeps from its weights (projections
         their method's layout, GDN its decay rate), but those in `processed` (done as their last
-        tensor loaded: models/load.py); a tied embedding table whose values lm_head now holds
-        elsewhere is freed; and no tensor left keeps the checkpoint file's memory map resident."""
+        tensor loaded, and a tied lm_head: models/load.py); and no tensor left keeps the
+        checkpoint file's memory map resident."""
         for module in self.modules():
             if module is not self and module not in processed and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-        if self.cfg.tie_word_embeddings and self.lm_head.method.holds_weight_elsewhere(self.lm_head):
+        _unpin_shared_storages(self)
+
+    def tie_lm_head(self) -> None:
+        """With tied embeddings, once the table is loaded: lm_head takes it and processes it, and
+        where lm_head's method then holds the values in a layout of its own the plain table is
+        freed at once (the embedding reads its rows from lm_head): loading never holds a
+        quantized model beside the float table, the largest tensor of a small model."""
+        self.lm_head.weight_loader("lm_head.weight", self.embed_tokens.weight)
+        self.lm_head.process_weights_after_loading()
+        if self.lm_head.method.holds_weight_elsewhere(self.lm_head):
             table = self.embed_tokens.weight
             self.embed_tokens.weight = nn.Parameter(torch.empty(table.shape, dtype=table.dtype, device="meta"),
                                                     requires_grad=False)
-        _unpin_shared_storages(self)
 
 
 def _unpin_shared_storages(model: nn.Module) -> None:
