@@ -107,6 +107,9 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
         model.mtp = None
     kept = [name for name in stream.names if keep_mtp or not name.startswith("mtp.")]
     waiting = Counter(tensors[name][2] for name in kept)      # module -> its tensors still to come
+    # (listed before loading: layers that processing adds, such as experts' own, are processed
+    # by what adds them)
+    unprocessed = [m for m in model.modules() if m is not model and hasattr(m, "process_weights_after_loading")]
     processed, untrimmed = set(), 0
     for name, tensor in (progress(stream) if progress is not None else stream):
         if name.startswith("mtp.") and not keep_mtp:
@@ -125,7 +128,7 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
         if untrimmed >= TRIM_EVERY_BYTES:
             release_freed_memory()
             untrimmed = 0
-    model.process_weights_after_loading(processed=processed)
+    model.process_weights_after_loading([m for m in unprocessed if m not in processed])
     release_freed_memory()
     model.requires_grad_(False)
     return model.eval(), cfg

@@ -86,14 +86,13 @@ class HybridForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def process_weights_after_loading(self, processed: set[nn.Module] = frozenset()) -> None:
-        """Once, after loading: every layer derives what it keeps from its weights (projections
-        their method's layout, GDN its decay rate), but those in `processed` (done as their last
-        tensor loaded, and a tied lm_head: models/load.py); and no tensor left keeps the
-        checkpoint file's memory map resident."""
-        for module in self.modules():
-            if module is not self and module not in processed and hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading()
+    def process_weights_after_loading(self, layers: list[nn.Module]) -> None:
+        """Once, after loading: each of `layers` (the modules models/load.py did not process as
+        their last tensor arrived) derives what it keeps from its weights (projections their
+        method's layout, GDN its decay rate); then no tensor left keeps the checkpoint file's
+        memory map resident."""
+        for module in layers:
+            module.process_weights_after_loading()
         _unpin_shared_storages(self)
 
     def tie_lm_head(self) -> None:
