@@ -36,9 +36,7 @@ import torch.fx.experimental._config as fx_config
 from torch._inductor.compile_fx import compile_fx
 
 from hybrid_engine.kernels import KernelBackend
-from hybrid_engine.kernels.attention import cpu as attention_cpu
-from hybrid_engine.kernels.conv import cpu as conv_cpu
-from hybrid_engine.kernels.gdn import decode_cpu as gdn_decode_cpu, recurrent_cpu as gdn_recurrent_cpu
+from hybrid_engine.kernels.native.compile_marks import mark_native_checks
 from hybrid_engine.kernels.native.isa import onednn_packs
 from hybrid_engine.kernels.native.ops import graph_cache_tag
 from hybrid_engine.kernels.slot_pool import DecodeRows
@@ -52,17 +50,12 @@ from .graph_replay import GraphReplay
 from .model_runner import EagerSteps
 from .step_inputs import StepInputs
 
-# The native kernels' availability checks are constants to traced graphs. Marked here, not where
-# they are defined: the decorator imports dynamo, about 70 MiB resident that an eager engine never
-# uses (engine.py imports this module only for compiled steps; benchmarks/RESULTS.md, issue 39).
-for _check in (attention_cpu.native_available, conv_cpu.native_available, gdn_decode_cpu.native_available,
-               gdn_recurrent_cpu.native_available):
-    torch.compiler.assume_constant_result(_check)
-
 # Dynamo traces through the kernels' lru_cache'd constant builders (kernels/norm/reference.py `scalar`,
 # the rope frequencies) and warns each time; what they return depends only on their arguments.
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
 
+
+mark_native_checks()
 
 # Drafting calls kept for replay: one per catch-up length of a verify (1..k+1 tokens per request).
 MTP_REPLAYS = 8

@@ -13,7 +13,10 @@ import torch
 from hybrid_engine.kernels.attention import attention_layout, naive_paged_attention
 from hybrid_engine.kernels.attention import cpu as native
 from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
+from hybrid_engine.kernels.native.compile_marks import mark_native_checks
 from op_calls import recorded_calls
+
+mark_native_checks()     # compiled ops' routing checks are constants to dynamo, as in compiled steps
 
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
 

@@ -20,11 +20,14 @@ from hybrid_engine.kernels.conv import cpu as native
 from hybrid_engine.kernels.gdn import decode_cpu as native_gdn_decode
 from hybrid_engine.kernels.native.isa import LEVELS, at_least, cpu_level
 from hybrid_engine.kernels.slot_pool import DecodeRows
+from hybrid_engine.kernels.native.compile_marks import mark_native_checks
 
 from checkpoints import make_hf_model, save_checkpoint
 from engine_checks import assert_greedy_matches_transformers, greedy_tokens
 from op_calls import recorded_calls
 from spec_models import make_spec_checkpoint
+
+mark_native_checks()     # compiled ops' routing checks are constants to dynamo, as in compiled steps
 
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
 NO_NATIVE = "CPU level none (HYBRID_ENGINE_CPU_ISA=none or no AVX2+FMA): no native kernel may run; " \

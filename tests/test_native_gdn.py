@@ -11,6 +11,9 @@ from hybrid_engine.kernels.gdn.recurrent import _decode_in_place, _steps
 from hybrid_engine.kernels.gdn.recurrent_cpu import can_run_native, gdn_recurrent_native
 from hybrid_engine.kernels.native.isa import at_least
 from hybrid_engine.kernels.slot_pool import DecodeRows, rows_independent
+from hybrid_engine.kernels.native.compile_marks import mark_native_checks
+
+mark_native_checks()     # compiled ops' routing checks are constants to dynamo, as in compiled steps
 
 pytestmark = pytest.mark.skipif(not at_least("avx2"), reason="level none: no native kernel")
 
