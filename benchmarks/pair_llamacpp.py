@@ -10,7 +10,9 @@ bench_llamacpp.py prepares the weights and builds llama-bench (run it with --pre
 
 Ours: STEPS engine steps of batch-1 greedy decode (the engine's whole step: scheduling, the
 forward, sampling, detokenizing), after a warm-up; llama.cpp: llama-bench -p 0 -n STEPS -r 1
-(its decode alone). Both at --threads.
+(its decode alone). Both at --threads. A quantized --dtype (q8_0, q4_0, q4_k_m: llama-quantize's
+file) pairs with ours quantized at load at the same bits (bench_llamacpp.py QUANTIZED), bf16
+activations.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_llamacpp import (GGUF_TYPES, LEVEL_ENV, MODELS, OUR_LEVEL, cpu_record, detected_level,  # noqa: E402
-                            gguf_path, llama_bench_path, model_folder, run_llama_bench)
+from bench_llamacpp import (GGUF_TYPES, LEVEL_ENV, MODELS, OUR_LEVEL, QUANTIZED, cpu_record,  # noqa: E402
+                            detected_level, gguf_path, llama_bench_path, model_folder, run_llama_bench)
 
 
 def llama_tg(binary: Path, gguf: Path, threads: int, steps: int) -> float:
@@ -43,6 +45,8 @@ class Ours:
         # The child sets torch's thread count from AB_THREADS (default 2), over OMP_NUM_THREADS.
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), AB_THREADS=str(threads),
                    **LEVEL_ENV.get(OUR_LEVEL[level] or "", {}))
+        if dtype in QUANTIZED:                  # ours quantized at load, bf16 activations
+            env["AB_QUANTIZATION"], dtype = QUANTIZED[dtype].method, "bfloat16"
         if omp_wait_policy != "default":
             env["OMP_WAIT_POLICY"] = omp_wait_policy
         self.steps = steps
@@ -67,7 +71,7 @@ class Ours:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="default")
-    ap.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES))
+    ap.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES) + sorted(QUANTIZED))
     ap.add_argument("--engine", default="compiled", choices=["ours", "compiled"])
     ap.add_argument("--levels", default="native,avx2")
     ap.add_argument("--pairs", type=int, default=8)
