@@ -157,11 +157,15 @@ class CheckpointLayers:
             raise CheckpointError(f"the projections {quantized} load as one layer {name} but the checkpoint "
                                   f"gives them different schemes: {given}")
         float_shards = tuple(base.rpartition(".")[2] for base in projections if base not in quantized)
+        return self._method(scheme, float_shards=float_shards, float_method=self.float_method)
+
+    def _method(self, scheme, **kwargs) -> QuantizedLinearMethod:
+        """The method of a projection the checkpoint stores in `scheme` (native where the kernel
+        takes its groups)."""
         native = self.native and native_takes(scheme.group_size)
         int8_activations = native if self.int8_activations is None else self.int8_activations
-        return QuantizedLinearMethod(scheme.bits, scheme.group_size, native=native, float_shards=float_shards,
-                                     int8_activations=int8_activations, checkpoint=scheme,
-                                     float_method=self.float_method)
+        return QuantizedLinearMethod(scheme.bits, scheme.group_size, native=native,
+                                     int8_activations=int8_activations, checkpoint=scheme, **kwargs)
 
     def _stored_experts(self, name: str, experts) -> LinearMethod | None:
         """A MoE layer's experts as per-expert projection layers where the checkpoint stores any
@@ -172,11 +176,7 @@ class CheckpointLayers:
                   if (n := f"{name}.{e}.{proj}.{marker}") in self.names]
         if not stored:
             return None
-        scheme = self.checkpoint.scheme_for(stored[0].removesuffix(f".{marker}"))
-        native = self.native and native_takes(scheme.group_size)
-        return QuantizedLinearMethod(scheme.bits, scheme.group_size, native=native,
-                                     int8_activations=native if self.int8_activations is None else self.int8_activations,
-                                     checkpoint=scheme)
+        return self._method(self.checkpoint.scheme_for(stored[0].removesuffix(f".{marker}")))
 
     def progress_bar(self, tensors):
         return tensors                                 # nothing to quantize: the layers only repack
