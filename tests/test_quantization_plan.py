@@ -13,11 +13,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from hybrid_engine.checkpoint_formats.compressed_tensors import target_matches
 from hybrid_engine.cli import main as cli_main
-from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine.models.linear import Linear
 from hybrid_engine.models.loader import map_name
@@ -27,7 +26,7 @@ from hybrid_engine.quantization_plan import (FLOAT, PlanError, checkpoint_sizes,
 from hybrid_engine.quantize_checkpoint import PLAN_KEY, quantized_names, write_checkpoint, write_planned
 from hybrid_engine.sensitivity import measure_sensitivity
 
-from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine
+from quantized_checkpoints import broken_copy, dequantized_copy, greedy_runs, mtp_engine
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -108,19 +107,6 @@ def mixed_bits(folder) -> dict[str, int]:
     return {n: choice[kind_of(n)] for n in names if choice[kind_of(n)] is not FLOAT}
 
 
-def write_dequantized(src, dst, bits: dict[str, int]) -> None:
-    """A float32 copy of `src` with each weight `bits` names replaced by its quantized values."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(src / "model.safetensors"))
-    for key, tensor in tensors.items():
-        if map_name(key) in bits:
-            tensors[key] = dequantize(quantize(tensor, bits[map_name(key)], 32))
-    save_file(tensors, str(dst / "model.safetensors"))
-
-
 def test_mixed_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path):
     bits = mixed_bits(ckpt)
     assert set(bits.values()) == {4, 8}
@@ -133,7 +119,7 @@ def test_mixed_checkpoint_runs_as_its_dequantized_weights(ckpt, tmp_path):
             want = {bits.get(f"{base}.weight") for base, _ in shard_names(layer, name)} - {None}
             got = {layer.method.bits} if isinstance(layer.method, QuantizedLinearMethod) else set()
             assert got == want, name
-    write_dequantized(ckpt, tmp_path / "dequantized", bits)
+    dequantized_copy(ckpt, tmp_path / "dequantized", lambda key: bits.get(map_name(key)), 32)
     want = greedy_runs(mtp_engine(tmp_path / "dequantized", "torch"), max_tokens=32)
     got = greedy_runs(stored, max_tokens=32)
     for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):

@@ -20,6 +20,7 @@ from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequan
 from hybrid_engine.quantization import LM_HEAD_MIN_BITS
 
 from engine_checks import run_alone_then_together
+from quantized_checkpoints import dequantized_copy
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -37,20 +38,13 @@ def _quantized_by_online_quantization(name: str) -> bool:
 
 
 def dequantized_checkpoint(src: Path, dst: Path, bits: int, group: int) -> Path:
-    """A copy of the float checkpoint `src` whose quantized tensors hold their dequantized values
-    (rows are quantized one by one, so a merged or grouped tensor quantizes as its parts do)."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(src / "model.safetensors"))
-    for name, t in tensors.items():
-        if _quantized_by_online_quantization(name):
-            # the lm_head at 8 bits under int4 (hybrid_engine/quantization.py)
-            at = max(bits, LM_HEAD_MIN_BITS) if name == "lm_head.weight" else bits
-            tensors[name] = dequantize(quantize(t, at, group)).to(t.dtype)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    """A copy of the float checkpoint `src` whose tensors online quantization quantizes hold their
+    dequantized values (the lm_head at 8 bits under int4: hybrid_engine/quantization.py)."""
+    def bits_of(name: str) -> int | None:
+        if not _quantized_by_online_quantization(name):
+            return None
+        return max(bits, LM_HEAD_MIN_BITS) if name == "lm_head.weight" else bits
+    return dequantized_copy(src, dst, bits_of, group)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

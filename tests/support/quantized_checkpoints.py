@@ -87,3 +87,20 @@ def asymmetric_codes(w: torch.Tensor, bits: int, group: int, seed: int, lowest_z
 def asymmetric_dequantized(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """The float32 weight asymmetric codes stand for: (code - zero) * scale."""
     return (codes - zeros.repeat_interleave(group, 1)).float() * scales.float().repeat_interleave(group, 1)
+
+
+def dequantized_copy(src: Path, dst: Path, bits_of, group: int) -> Path:
+    """A copy of the float checkpoint `src` whose tensors `bits_of(name)` gives bits for (None:
+    kept as stored) hold their values quantized at those bits and dequantized, in their own
+    dtype (rows are quantized one by one, so a merged or grouped tensor quantizes as its parts do)."""
+    from hybrid_engine.kernels.linear.quantized import dequantize, quantize
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, t in tensors.items():
+        if (bits := bits_of(name)) is not None:
+            tensors[name] = dequantize(quantize(t, bits, group)).to(t.dtype)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
