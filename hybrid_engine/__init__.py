@@ -9,6 +9,7 @@ from importlib import import_module
 
 _EXPORTS = {"LLM": ".llm", "LLMEngine": ".engine", "EngineConfig": ".config",
             "RequestOutput": ".outputs", "SamplingParams": ".sampling_params",
+            "StructuredOutputsParams": ".structured_outputs",
             "EngineDeadError": ".engine", "StepFailedError": ".engine"}
 
 __all__ = list(_EXPORTS)

@@ -10,6 +10,9 @@ import logging
 import math
 import os
 import random
+import threading
+from concurrent.futures import FIRST_COMPLETED, wait
+
 import torch
 
 from hybrid_engine.kernels import make_backend
@@ -26,7 +29,9 @@ from .prompt import PreparedPrompt, encode_prompt
 from .checkpoint_formats.gguf import GgufFile, is_gguf
 from .quantization import quantized_layers
 from .prefix_caching import PrefixCaching
+from .grammar_compiler import GrammarCompiler
 from .request import Request
+from .request_grammar import RequestGrammar
 from .request_group import AutomaticRequestIds, RequestGroup, check_caller_request_id, sample_request_id
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -37,6 +42,15 @@ from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)
+
+
+def _think_tokens(tokenizer) -> tuple[int, int] | None:
+    """(`<think>`, `</think>`) token ids where the vocabulary has both as single tokens."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    start, end = vocab.get("<think>"), vocab.get("</think>")
+    return None if start is None or end is None else (start, end)
 
 
 def parse_speculative_config(spec: dict | None) -> int:
@@ -143,6 +157,11 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             if self.tokenizer.eos_token_id not in self.eos_token_ids:
                 self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        # Structured outputs: the compiler is made at the first constrained request (it builds
+        # the vocabulary's tables), on whichever thread prepares it.
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self.think_tokens = _think_tokens(self.tokenizer)
 
     def capacity_summary(self) -> str:
         """What the cache holds, in requests and tokens (as vLLM's "maximum concurrency for N
@@ -212,7 +231,20 @@ class LLMEngine:
             return prompt
         params = copy.deepcopy(self.validate_params(params))
         text, ids = self.encode_prompt(prompt)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured_outputs needs the model's tokenizer to map the grammar onto tokens; "
+                                 f"{self.config.model} has none")
+            self.grammar_compiler.submit(params.structured_outputs)    # starts compiling now
         return PreparedPrompt(text, ids, params)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+            return self._grammar_compiler
 
     def validate_params(self, params) -> SamplingParams:
         if params is None:
@@ -269,7 +301,24 @@ class LLMEngine:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            req.grammar = RequestGrammar(self.grammar_compiler.submit(params.structured_outputs),
+                                         max_rollback=self.num_speculative_tokens + 1,
+                                         think_end=self._open_think_block_end(ids))
         return req
+
+    def _open_think_block_end(self, prompt_ids: list[int]) -> int | None:
+        """The `</think>` token id when the prompt leaves the model inside a think block (its
+        last `<think>` after its last `</think>`: Qwen3.5's template with thinking on), so that
+        a constraint starts after the reasoning; else None."""
+        if self.think_tokens is None:
+            return None
+        start, end = self.think_tokens
+        last = {start: -1, end: -1}
+        for i, t in enumerate(prompt_ids):
+            if t in last:
+                last[t] = i
+        return end if last[start] > last[end] else None
 
     def sampling_seed(self, params: SamplingParams, index: int = 0) -> int:
         """The seed that keys the sampling of sample `index` of a request: its own
@@ -343,11 +392,30 @@ class LLMEngine:
             raise StepFailedError(request_ids, error) from error
 
     def _run_step(self, sched: ScheduledBatch) -> list[RequestOutput]:
+        failed = self._fail_uncompiled_grammars()
         if sched.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress: no request fits the cache")
-            return []
-        return self._caller_outputs(self.step_pipeline.run(sched))
+            compiling = self.scheduler.waiting_for_grammars()
+            if compiling:
+                # Nothing else can run: wait a little for a grammar rather than spin.
+                wait([r.grammar.compiled for r in compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+                return failed
+            if failed or not self.scheduler.has_unfinished():
+                return failed
+            raise RuntimeError("scheduler made no progress: no request fits the cache")
+        return failed + self._caller_outputs(self.step_pipeline.run(sched))
+
+    def _fail_uncompiled_grammars(self) -> list[RequestOutput]:
+        """Aborts the waiting requests whose grammar failed to compile (their constraint was
+        parsed when they were prepared, so this is xgrammar failing on a valid one)."""
+        outputs = []
+        for req in list(self.scheduler.waiting):
+            if req.grammar is not None and req.grammar.ready and req.grammar.compiled.exception() is not None:
+                logger.error("request %s: its structured_outputs grammar failed to compile: %r",
+                             req.caller_request_id, req.grammar.compiled.exception())
+                out = self.abort_request(req.caller_request_id)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
 
     def _abort_failed_step(self, batch: ScheduledBatch | None, error: BaseException) -> list[str]:
         """Aborts the failed step's requests (all n samples of each) -> their caller ids."""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .request_grammar import RequestGrammar
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -81,6 +82,9 @@ class Request:
     index: int = 0
     group: "RequestGroup | None" = None
     forks: list["Request"] = field(default_factory=list)
+    # SamplingParams.structured_outputs: the request's grammar, compiling until `ready` (the
+    # scheduler admits it then), then matching its output tokens (hybrid_engine/request_grammar.py).
+    grammar: RequestGrammar | None = None
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from .stop_strings import StopStrings
+from .structured_outputs import StructuredOutputsParams
 
 # Below this temperature the row is treated as greedy, as in vLLM (_SAMPLING_EPS): dividing
 # logits by a tiny positive temperature overflows float32 and gains nothing over argmax.
@@ -51,6 +52,8 @@ class SamplingParams:
     # vLLM's: keep a stop string, and a stop token's text, in the output text (dropped by default)
     include_stop_str_in_output: bool = False
     n: int = 1  # independent samples of the prompt, each a CompletionOutput of one RequestOutput
+    # What the output must be: a JSON schema, regex, choice, grammar (hybrid_engine/structured_outputs.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __setattr__(self, name: str, value) -> None:
         # stop / stop_token_ids are normalised to lists on every assignment, not only in the
@@ -130,6 +133,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= vocab_size):
                 _fail(name, value, f"None or an int in [0, {vocab_size}]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
 
 def _as_list(value):

@@ -4,7 +4,8 @@ step's logits (hybrid_engine/engine.py calls it between the forward and the draf
 A verify of k drafts samples each of its k+1 positions and accepts while the sample equals the
 draft (spec_decode/verifier.py: lossless for any sampler). Greedy rows without penalties,
 logprobs or banned tokens skip the sampler (one argmax over all of them); every other row goes
-through one sampler call.
+through one sampler call. Rows of requests with a structured-output constraint are masked by
+their grammars first (hybrid_engine/request_grammar.py), one mask per verified position.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from hybrid_engine.spec_decode.verifier import accept_greedy, accept_sampled
 
 from .request import Request
+from .request_grammar import mask_logits
 from .sampler import Sampler, SamplingRow, greedy_token_ids
 from .sampling_params import SamplingParams
 from .step_inputs import StepInputs
@@ -25,6 +27,7 @@ def sample_segments(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler) 
     prefill's end or a plain decode, 1..k+1 for a verify. Greedy segments without penalties,
     logprobs or banned tokens skip the sampler (one argmax over all of their rows); every
     other row is sampled in one sampler call."""
+    logits = mask_logits(logits, inputs.sample_spans)
     result, greedy, sampled, rows = {}, [], [], []
     for span in inputs.sample_spans:
         seg, _, n = span
@@ -44,7 +47,9 @@ def sample_segments(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler) 
             result[id(seg)] = (tokens, [None] * n)
             at += n
     if sampled:
-        out, at = sampler(_logits_rows(logits, sampled), rows), 0
+        block = _logits_rows(logits, sampled)
+        _lift_bans_leaving_nothing(block, rows)
+        out, at = sampler(block, rows), 0
         for seg, _, n in sampled:
             toks, lps = out.token_ids[at:at + n], out.logprobs[at:at + n]
             m = accept_sampled(toks, seg.request.draft_token_ids) if n > 1 else 1
@@ -73,6 +78,17 @@ def _sampling_row(req: Request, extra: list[int] = ()) -> SamplingRow:
             banned += req.eos_token_ids
     return SamplingRow(req.params, req.prompt_token_ids, output, req.sampling_seed,
                        len(req.output_token_ids) + len(extra), banned)
+
+
+def _lift_bans_leaving_nothing(block: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """A constrained row whose grammar allows only tokens min_tokens bans (its end, EOS) keeps
+    the grammar: the ban is lifted, as no token could satisfy both."""
+    for i, row in enumerate(rows):
+        if row.banned_token_ids and row.params.structured_outputs is not None:
+            allowed = block[i] > float("-inf")
+            allowed[row.banned_token_ids] = False
+            if not bool(allowed.any()):
+                row.banned_token_ids = []
 
 
 def _logits_rows(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:

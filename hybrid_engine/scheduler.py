@@ -9,6 +9,8 @@ Every step re-chooses the batch under `max_num_seqs` and `max_num_batched_tokens
    both their KV blocks and their GDN state slot(s) fit; admission stops at the first that
    does not fit, so a large old request is never overtaken, and at a request preempted in
    this same call (readmitting it at once would free and retake its memory for nothing).
+   A request whose structured-output grammar is still compiling is passed over until it is
+   ready; the requests behind it go ahead.
 
 With prefix caching (hybrid_engine/prefix_caching.py) an admitted request starts from the
 longest cached prefix, each prefill chunk gets the GDN checkpoints wanted inside it (taken by
@@ -101,7 +103,10 @@ class Scheduler:
                 batch.prefills.append((req, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            at = self._first_ready()
+            if at is None:
+                break
+            req = self.waiting[at]
             if req in batch.preempted:
                 break
             hit = None
@@ -119,7 +124,7 @@ class Scheduler:
             req.num_computed_tokens = start
             if self.prefix is not None:
                 self.prefix.admitted(req, hit)
-            self.waiting.popleft()
+            del self.waiting[at]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.prefills.append((req, n))
@@ -129,6 +134,18 @@ class Scheduler:
             # match it before this step's forward has written it.
             batch.captures = self.prefix.plan_captures(batch.prefills, self._queued())
         return batch
+
+    def _first_ready(self) -> int | None:
+        """The index of the first waiting request that can run: one whose grammar still compiles
+        waits without holding up those behind it (hybrid_engine/grammar_compiler.py)."""
+        for i, req in enumerate(self.waiting):
+            if req.grammar is None or req.grammar.ready:
+                return i
+        return None
+
+    def waiting_for_grammars(self) -> list[Request]:
+        """The waiting requests whose grammars are still compiling."""
+        return [req for req in self.waiting if req.grammar is not None and not req.grammar.ready]
 
     def _fork_shared_prefixes(self) -> None:
         """Each running request whose siblings wait for its prompt prefix, now computed, gives

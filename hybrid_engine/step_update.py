@@ -104,12 +104,15 @@ class StepUpdater:
         """Appends one token and applies every stop rule (vLLM's): none fires before min_tokens;
         an EOS or stop token ends the request and, unless include_stop_str_in_output, its text
         stays out of `text`; a stop string cuts the text where it starts (or after it, with
-        include_stop_str_in_output); then max_tokens and max_model_len. True when finished."""
+        include_stop_str_in_output); a structured output whose grammar has ended stops; then
+        max_tokens and max_model_len. True when finished."""
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.output_token_ids.append(tok)
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
+        if req.grammar is not None:
+            req.grammar.accept(tok)
         p = req.params
         may_stop = len(req.output_token_ids) >= p.min_tokens
         is_eos = may_stop and not p.ignore_eos and tok in req.eos_token_ids
@@ -123,6 +126,8 @@ class StepUpdater:
             req.finish_reason, req.stop_reason = "stop", tok if is_stop_token else None
         elif p.stop and detok is not None and may_stop:
             _cut_at_stop_string(req, new_text)
+        if req.finish_reason is None and req.grammar is not None and req.grammar.terminated:
+            req.finish_reason = "stop"      # the structure is complete (its end accepted under ignore_eos)
         if req.finish_reason is None and req.finishes_by_length(self.max_model_len):
             req.finish_reason = "length"
         if req.finish_reason is None:
