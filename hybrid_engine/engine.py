@@ -303,7 +303,6 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         if params.structured_outputs is not None:
             req.grammar = RequestGrammar(self.grammar_compiler.submit(params.structured_outputs),
-                                         max_rollback=self.num_speculative_tokens + 1,
                                          think_end=self._open_think_block_end(ids))
         return req
 

@@ -28,9 +28,8 @@ ALL_ALLOWED = -1
 
 
 class RequestGrammar:
-    def __init__(self, compiled: Future, max_rollback: int, think_end: int | None = None):
+    def __init__(self, compiled: Future, think_end: int | None = None):
         self.compiled = compiled
-        self.max_rollback = max_rollback
         self.think_end = think_end
         self.in_reasoning = think_end is not None
         self._matcher = None
@@ -45,7 +44,7 @@ class RequestGrammar:
         if self._matcher is None:
             import xgrammar as xgr
 
-            self._matcher = xgr.GrammarMatcher(self.compiled.result(), max_rollback_tokens=self.max_rollback)
+            self._matcher = xgr.GrammarMatcher(self.compiled.result())    # rollback is unbounded
         return self._matcher
 
     @property
