@@ -382,8 +382,9 @@ class LLMEngine:
         self._check_alive()
         batch = None
         try:
+            failed = self._fail_uncompiled_grammars()
             batch = self.scheduler.schedule()
-            return self._run_step(batch)
+            return failed + self._run_step(batch)
         except BaseException as error:
             request_ids = self._abort_failed_step(batch, error)
             if not isinstance(error, Exception):
@@ -391,24 +392,25 @@ class LLMEngine:
             raise StepFailedError(request_ids, error) from error
 
     def _run_step(self, sched: ScheduledBatch) -> list[RequestOutput]:
-        failed = self._fail_uncompiled_grammars()
         if sched.is_empty:
             compiling = self.scheduler.waiting_for_grammars()
             if compiling:
                 # Nothing else can run: wait a little for a grammar rather than spin.
                 wait([r.grammar.compiled for r in compiling], timeout=0.05, return_when=FIRST_COMPLETED)
-                return failed
-            if failed or not self.scheduler.has_unfinished():
-                return failed
-            raise RuntimeError("scheduler made no progress: no request fits the cache")
-        return failed + self._caller_outputs(self.step_pipeline.run(sched))
+                return []
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress: no request fits the cache")
+            return []
+        return self._caller_outputs(self.step_pipeline.run(sched))
 
     def _fail_uncompiled_grammars(self) -> list[RequestOutput]:
         """Aborts the waiting requests whose grammar failed to compile (their constraint was
         parsed when they were prepared, so this is xgrammar failing on a valid one)."""
         outputs = []
+        if self._grammar_compiler is None:      # no constrained request yet: nothing to look at
+            return outputs
         for req in list(self.scheduler.waiting):
-            if req.grammar is not None and req.grammar.ready and req.grammar.compiled.exception() is not None:
+            if req.grammar is not None and req.grammar.failed:
                 logger.error("request %s: its structured_outputs grammar failed to compile: %r",
                              req.caller_request_id, req.grammar.compiled.exception())
                 out = self.abort_request(req.caller_request_id)

@@ -36,8 +36,13 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """Whether compiling is over (done or failed): the scheduler admits only ready requests."""
-        return self.compiled.done()
+        """Whether the grammar compiled: the scheduler admits only ready requests."""
+        return self.compiled.done() and self.compiled.exception() is None
+
+    @property
+    def failed(self) -> bool:
+        """Whether compiling raised (the engine then aborts the request, which never ran)."""
+        return self.compiled.done() and self.compiled.exception() is not None
 
     @property
     def matcher(self):

@@ -292,3 +292,26 @@ def test_compiling_holds_up_only_its_own_request(monkeypatch):
     assert a is engine.grammar_compiler.submit(StructuredOutputsParams(regex="[a-z]+"))
     assert a is not engine.grammar_compiler.submit(StructuredOutputsParams(regex="[a-y]+"))
     assert_no_leak(engine)
+
+
+def test_a_grammar_that_fails_to_compile_aborts_its_request_only(monkeypatch):
+    def broken_compile(self, params):
+        raise RuntimeError("xgrammar failed")
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", broken_compile)
+    engine = LLMEngine(EngineConfig())
+    engine.add_request("def f(x):", so(regex="[a-z]+", max_tokens=8), request_id="constrained")
+    engine.add_request("def g(y):", SamplingParams(temperature=0.0, max_tokens=8), request_id="plain")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["constrained"].outputs[0].finish_reason == "abort"
+    assert finished["constrained"].outputs[0].token_ids == []
+    assert finished["plain"].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def test_ignore_eos_still_ends_with_the_structure(llm):
+    out = llm.generate(["x"], so(choice=["ab", "cd"], temperature=0.0, ignore_eos=True, max_tokens=16),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("ab", "cd") and out.finish_reason == "stop"
