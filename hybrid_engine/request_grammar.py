@@ -23,6 +23,9 @@ from concurrent.futures import Future
 
 import torch
 
+from hybrid_engine.kernels.sampling import apply_token_bitmask_torch
+from hybrid_engine.kernels.sampling.cpu import apply_token_bitmask
+
 # Position rows a mask leaves unconstrained are all ones: every token allowed.
 ALL_ALLOWED = -1
 
@@ -94,18 +97,20 @@ class RequestGrammar:
 def mask_logits(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> torch.Tensor:
     """Applies the grammars of the (segment, first row, rows) spans whose requests have one to
     their rows of `logits`: disallowed tokens -> -inf. Float32 (a copy where `logits` is not),
-    the sampler's and the greedy argmax's dtype. Returns `logits` itself when no span has one."""
+    the sampler's and the greedy argmax's dtype. Returns `logits` itself when no span has one.
+    The mask is applied by kernels/sampling (the native kernel skips the all-ones rows of the
+    unconstrained requests at a compare per 32 tokens)."""
     constrained = [span for span in spans if span[0].request.grammar is not None]
     if not constrained:
         return logits
-    import xgrammar as xgr
-
     if logits.dtype != torch.float32:
         logits = logits.float()
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    rows = []
+    bitmask = torch.full((logits.shape[0], (logits.shape[1] + 31) // 32), ALL_ALLOWED, dtype=torch.int32)
     for seg, first, n in constrained:
         seg.request.grammar.fill_masks(seg.request.draft_token_ids, bitmask, first, n)
-        rows.extend(range(first, first + n))
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    with torch.inference_mode():        # the runner's logits are inference tensors: in place only in here
+        if logits.is_cpu:
+            apply_token_bitmask(logits, bitmask)
+        else:
+            apply_token_bitmask_torch(logits, bitmask.to(logits.device, non_blocking=True))
     return logits

@@ -36,7 +36,8 @@ HERE = Path(__file__).parent
 KERNELS = HERE.parent          # the op folders; sources include headers by their path from here
 SOURCES = tuple(KERNELS / name for name in ("linear/blocked_linear.cpp", "linear/quant_linear.cpp", "linear/quantize_int4.cpp", "gdn/gdn_recurrent.cpp",
                                             "attention/paged_attention.cpp", "conv/causal_conv1d_update.cpp",
-                                            "norm/rms_norm.cpp", "gdn/gdn_decode.cpp", "activation/silu_mul.cpp"))
+                                            "norm/rms_norm.cpp", "gdn/gdn_decode.cpp", "activation/silu_mul.cpp",
+                                            "sampling/token_bitmask.cpp"))
 OPS_SOURCE = HERE / "ops.cpp"
 NAMESPACE_SOURCE = HERE / "ops_namespace.cpp"
 HEADERS = (HERE / "simd.h", HERE / "kernels.h", KERNELS / "linear" / "blocked_tiles.h", KERNELS / "gdn" / "delta_rule.h", KERNELS / "activation" / "silu_mul.h")

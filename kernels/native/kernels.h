@@ -64,6 +64,11 @@ CONV_UPDATE_ENTRY(conv_update_bf16_bf16, uint16_t, uint16_t);
 CONV_UPDATE_ENTRY(conv_update_bf16_f32, uint16_t, float);
 CONV_UPDATE_ENTRY(conv_update_f32_bf16, float, uint16_t);
 
+// A structured output's token mask (token_bitmask.cpp), in place: logits [rows, vocab] at row
+// stride sl = -inf where the bit of bitmask [rows, >= ceil(vocab/32)] at row stride sb is 0.
+void apply_token_bitmask_f32(float* logits, const int32_t* bitmask, int rows, int64_t vocab, int64_t sl,
+                             int64_t sb, int threads);
+
 // The SwiGLU activation (silu_mul.cpp): y [rows, I] = silu(gate) * up of rows [gate | up].
 void silu_mul_f32(const float* x, float* y, int rows, int I, int64_t sx, int threads);
 void silu_mul_bf16(const uint16_t* x, uint16_t* y, int rows, int I, int64_t sx, int threads);

@@ -44,6 +44,7 @@ std::string dtype_name(const Tensor& t) {
     case at::kBFloat16: return "torch.bfloat16";
     case at::kHalf: return "torch.float16";
     case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
     default: return std::string("torch.") + c10::toString(t.scalar_type());
   }
 }
@@ -634,6 +635,22 @@ Tensor silu_mul_op(const Tensor& x) {
   return y;
 }
 
+// ---- token_bitmask.cpp ------------------------------------------------------------------------
+
+// logits [N, V] float32 (vocab contiguous), in place: -inf where bitmask [N, >= ceil(V/32)]
+// int32 (words contiguous) has a 0 bit.
+void apply_token_bitmask_op(const Tensor& logits, const Tensor& bitmask) {
+  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat && bitmask.scalar_type() == at::kInt && logits.dim() == 2 &&
+                        bitmask.dim() == 2 && logits.size(0) == bitmask.size(0) &&
+                        bitmask.size(1) * 32 >= logits.size(1) && logits.stride(1) == 1 && bitmask.stride(1) == 1,
+                    "apply_token_bitmask: no kernel for logits ", dtype_name(logits), " ", shape(logits),
+                    " and bitmask ", dtype_name(bitmask), " ", shape(bitmask),
+                    " (float32 [N, V] and int32 [N, >= ceil(V/32)], their last dims contiguous)");
+  if (logits.numel() == 0) return;
+  apply_token_bitmask_f32(logits.mutable_data_ptr<float>(), bitmask.const_data_ptr<int32_t>(), logits.size(0),
+                          logits.size(1), logits.stride(0), bitmask.stride(0), threads());
+}
+
 // ---- the ops ----------------------------------------------------------------------------------
 
 void define_ops(torch::Library& m) {
@@ -660,6 +677,7 @@ void define_ops(torch::Library& m) {
   m.def("add_rms_norm(Tensor x, Tensor h, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, "
         "Tensor sin) -> Tensor");
 }
@@ -679,6 +697,7 @@ void cpu_impls(torch::Library& m) {
   m.impl("gated_rms_norm", gated_rms_norm_op);
   m.impl("qk_norm_rope", qk_norm_rope_op);
   m.impl("silu_mul", silu_mul_op);
+  m.impl("apply_token_bitmask", apply_token_bitmask_op);
 }
 
 // What TORCH_LIBRARY_FRAGMENT(ns, m) and TORCH_LIBRARY_IMPL(ns, CPU, m) expand to, with the

@@ -43,6 +43,7 @@ FAKES = {
     "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
     "gated_rms_norm": lambda x, *_: x.new_empty(x.shape),
     "silu_mul": lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2),
+    "apply_token_bitmask": lambda logits, bitmask: None,
     "qk_norm_rope": lambda q, k, *_: q.new_empty(q.shape[0], q.shape[1] + k.shape[1], q.shape[2]),
 }
 _FAKES_REGISTERED: set[str] = set()
