@@ -87,6 +87,22 @@ def test_jsonl_lines_set_their_own_sampling_fields(models):
     assert [len(json.loads(line)["token_ids"]) for line in r.stdout.splitlines()] == [3, 7]
 
 
+def test_generate_with_a_structured_output(models):
+    schema = models["root"] / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}}, "required": ["a"]}))
+    r = ok(cli("generate", "--model", models["spec"], "the model", "--json-schema", schema, "--max-tokens", "40",
+               "--speculative-tokens", "2", "--no-stream"))
+    assert json.loads(r.stdout)["a"] in range(10)
+    r = ok(cli("generate", "--model", models["spec"], "a", "b", "--choice", "cache", "--choice", "layer",
+               "--temperature", "1", "--seed", "2", "--json"))
+    assert [json.loads(line)["text"] in ("cache", "layer") for line in r.stdout.splitlines()] == [True, True]
+    r = cli("generate", "--model", models["spec"], "a", "--regex", "[a-z", "--choice", "x")
+    assert r.returncode == 2 and r.stderr.strip().endswith("give one of --regex, --choice, not several")
+    r = cli("generate", "--model", models["spec"], "a", "--grammar", "root ::= nothing")
+    assert r.returncode == 2 and 'error: --grammar: structured_outputs.grammar is not valid' in r.stderr
+
+
 def test_ctrl_c_during_start_up_is_a_clean_interrupt(models):
     """SIGINT while torch is being imported (its libraries are mapping): "interrupted", exit 130
     (or the SIGINT status), no traceback, never a run that goes on as if nothing happened."""

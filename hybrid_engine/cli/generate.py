@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from . import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
                   encode_prompts, read_prompts, sampling_params)
@@ -22,6 +23,7 @@ Without a tokenizer in the model folder, a prompt is space-separated token ids.
   hybrid-engine generate "def fibonacci(n):" --max-tokens 48
   hybrid-engine generate --file prompts.jsonl --temperature 0.8 --seed 0 --json
   echo "class Stack:" | hybrid-engine generate --speculative-tokens 2
+  hybrid-engine generate "# a user" --json-schema user.schema.json --max-tokens 200
 """
 
 
@@ -42,10 +44,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--echo", action="store_true", help="print the prompt before its completion")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object per prompt on stdout (text, token ids, finish reason, metrics)")
+    g = parser.add_argument_group("structured outputs (one of them; SamplingParams.structured_outputs)")
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON", help="a JSON schema, inline or a file")
+    g.add_argument("--json-object", action="store_true", default=None, help="any JSON object")
+    g.add_argument("--regex", default=None, metavar="REGEX")
+    g.add_argument("--choice", action="append", default=None, metavar="STRING", help="one of these (repeatable)")
+    g.add_argument("--grammar", default=None, metavar="FILE|EBNF", help="an EBNF grammar (xgrammar's), inline or a file")
 
 
 def run(args) -> int:
     params = sampling_params(args)
+    params.structured_outputs = structured_outputs(args)
     prompts, line_fields = read_prompts(args, line_fields=LINE_FIELDS)
     per_prompt = [_line_params(params, fields, i) for i, fields in enumerate(line_fields)]
     llm = build_llm(args, args.speculative_tokens)
@@ -61,6 +70,35 @@ def run(args) -> int:
             _print_output(llm, i, out, len(prompts), args)
     _summary(outputs, time.perf_counter() - start, args.speculative_tokens)
     return 0
+
+
+def structured_outputs(args):
+    """The --json-schema / --json-object / --regex / --choice / --grammar flag as
+    StructuredOutputsParams (None without one), checked before any model loads."""
+    from ..structured_outputs import StructuredOutputsParams
+
+    given = {"json": _inline_or_file(args.json_schema), "json_object": args.json_object, "regex": args.regex,
+             "choice": args.choice, "grammar": _inline_or_file(args.grammar)}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    flags = {"json": "--json-schema", "json_object": "--json-object", "regex": "--regex", "choice": "--choice",
+             "grammar": "--grammar"}
+    if len(given) > 1:
+        raise CLIError(f"give one of {', '.join(flags[k] for k in given)}, not several")
+    params = StructuredOutputsParams(**given)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise CLIError(f"{flags[next(iter(given))]}: {e}") from None
+    return params
+
+
+def _inline_or_file(value: str | None) -> str | None:
+    """A flag that takes text or the path of a file holding it."""
+    if value is None or not Path(value).is_file():
+        return value
+    return Path(value).read_text()
 
 
 def _line_params(params, fields: dict, index: int):
