@@ -22,16 +22,12 @@ QUESTIONS = ["Describe a record.", "Fill in the fields.", "What is the configura
 
 
 @pytest.fixture(scope="module")
-def llm():
+def served():
+    """(the LLM, its server), MTP k=2."""
     llm = LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
     with running_server(llm) as server:
-        yield server
+        yield llm, server
+    llm.shutdown()
 
 
 async def one_request(api, name: str, schema: dict, i: int, n: int, stream: bool) -> list[tuple[str, str]]:
@@ -51,7 +47,8 @@ async def one_request(api, name: str, schema: dict, i: int, n: int, stream: bool
 
 
 @pytest.mark.parametrize("n, stream", [(1, False), (1, True), (3, False)])
-def test_200_completions_per_schema_parse_and_validate(llm, server, n, stream):
+def test_200_completions_per_schema_parse_and_validate(served, n, stream):
+    llm, server = served
     api = client(server, asynchronous=True)
     requests = -(-COMPLETIONS // n)
 
