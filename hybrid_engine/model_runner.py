@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_engine.models import HybridForCausalLM
+from hybrid_engine.request_grammar import DraftMasks
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
 from hybrid_engine.state_cache import CachePools
 
@@ -32,8 +33,8 @@ class EagerSteps:
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.forward_step(inputs.input_ids, inputs.batch, self.caches)
 
-    def draft(self, d: DraftInputs, passes: DraftPasses) -> torch.Tensor:
-        return passes(self.model, d.tokens, d.hidden, d.batch, self.caches, d.tables, d.rows, d.seqs)
+    def draft(self, d: DraftInputs, passes: DraftPasses, masks: DraftMasks | None = None) -> torch.Tensor:
+        return passes(self.model, d.tokens, d.hidden, d.batch, self.caches, d.tables, d.rows, d.seqs, masks)
 
     def catch_up(self, d: DraftInputs) -> None:
         """A catch-up pass from which no request drafts: the MTP KV only."""
@@ -66,13 +67,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft(self, segs: list[tuple[int, int, list[int]]], tokens: list[int], hidden: torch.Tensor,
-              drafting: list[int]) -> torch.Tensor | None:
+              drafting: list[int], masks: DraftMasks | None = None) -> torch.Tensor | None:
         """The MTP layer over segments (start, length, block table) with their next tokens and
         the target's hidden rows, then k drafts from the end of each segment in `drafting`
-        -> the drafts [len(drafting), k], or None where none drafts."""
+        -> the drafts [len(drafting), k], or None where none drafts. masks: the grammars of
+        the drafting requests where any has one; those steps draft eagerly, whatever the
+        execution strategy (each pass's masks need the drafts before it on the host)."""
         lookahead = self.passes.num_drafts - 1 if drafting else 0
         inputs = self.drafts.build(segs, tokens, hidden, drafting, lookahead)
         if not drafting:
             self.execution.catch_up(inputs)
             return None
-        return self.execution.draft(inputs, self.passes)
+        if masks is None:
+            return self.execution.draft(inputs, self.passes)
+        try:
+            return EagerSteps.draft(self.execution, inputs, self.passes, masks)
+        finally:
+            masks.close()

@@ -26,6 +26,7 @@ from hybrid_engine.kernels import KernelBackend
 from hybrid_engine.kernels.attention import AttentionLayout, paged_keys
 from hybrid_engine.models import ForwardBatch, HybridForCausalLM
 from hybrid_engine.models.batch import LayerCaches
+from hybrid_engine.request_grammar import DraftMasks
 
 
 @dataclass(frozen=True)
@@ -38,29 +39,33 @@ class DraftPasses:
 
     def __call__(self, model: HybridForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
                  batch: ForwardBatch, caches: LayerCaches, tables: torch.Tensor, rows: torch.Tensor,
-                 seqs: torch.Tensor) -> torch.Tensor:
+                 seqs: torch.Tensor, masks: DraftMasks | None = None) -> torch.Tensor:
         """The catch-up pass over `batch` (tokens [T] = token i+1, hidden [T, H] = the target's
         h_i), then the k-1 draft passes of the drafting requests: their catch-up rows `rows`
         [D] and sequences `seqs` [D] in `batch` -> the drafts [D, k]. tables: the batch's
-        sequences' block tables covering the positions up to p + k - 1 of those that draft."""
-        h, draft = self.catch_up(model, tokens, hidden, batch, caches, rows)
+        sequences' block tables covering the positions up to p + k - 1 of those that draft.
+        masks: the drafting requests' grammars (hybrid_engine/request_grammar.py), eager only:
+        each pass's drafts go to the host for the next pass's masks."""
+        h, draft = self.catch_up(model, tokens, hidden, batch, caches, rows, masks)
         return self.continued(model, draft, h, batch.positions.index_select(0, rows),
-                              tables.index_select(0, seqs), batch.kernels, caches)
+                              tables.index_select(0, seqs), batch.kernels, caches, masks)
 
     def catch_up(self, model: HybridForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
-                 batch: ForwardBatch, caches: LayerCaches, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 batch: ForwardBatch, caches: LayerCaches, rows: torch.Tensor, masks: DraftMasks | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up pass -> (its output hidden at `rows`, draft 1 from each of them)."""
         h = model.mtp_forward(tokens, hidden, batch, caches).index_select(0, rows)
-        return h, _greedy(model, h)
+        return h, _greedy(model, h, masks)
 
     def continued(self, model: HybridForCausalLM, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor,
-                  tables: torch.Tensor, kernels: KernelBackend, caches: LayerCaches) -> torch.Tensor:
+                  tables: torch.Tensor, kernels: KernelBackend, caches: LayerCaches,
+                  masks: DraftMasks | None = None) -> torch.Tensor:
         """Draft passes 2..k after the catch-up: draft 1 [D] and its hidden [D, H] at positions
         `last` [D] over the drafting requests' `tables` [D, W] -> the drafts [D, k]."""
         drafts = [draft]
         for batch, rope in self.pass_batches(model, last, tables, kernels, h.dtype):
             h = model.mtp_forward(draft, h, batch, caches, rope)
-            draft = _greedy(model, h)
+            draft = _greedy(model, h, masks)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 
@@ -96,5 +101,10 @@ class DraftPasses:
         return batches
 
 
-def _greedy(model: HybridForCausalLM, h: torch.Tensor) -> torch.Tensor:
-    return model.compute_logits(h).max(dim=-1).indices      # max: cheaper than argmax on CPU
+def _greedy(model: HybridForCausalLM, h: torch.Tensor, masks: DraftMasks | None = None) -> torch.Tensor:
+    logits = model.compute_logits(h)
+    if masks is None:
+        return logits.max(dim=-1).indices      # max: cheaper than argmax on CPU
+    drafts = masks.apply(logits).max(dim=-1).indices
+    masks.advance(drafts.tolist())
+    return drafts

@@ -10,16 +10,19 @@ KV always matches the committed tokens. For requests that sampled, the output at
 committed position gives draft 1; drafts 2..k reuse the same layer one token at a time,
 fed with the MTP's own output hidden state. Those later positions are overwritten by the
 next catch-up, which keeps the MTP KV consistent after rejections. The catch-up and the
-draft passes of a step are one call (spec_decode/draft_passes.py).
+draft passes of a step are one call (spec_decode/draft_passes.py). A constrained request's
+drafts are its grammar's: each pass's logits masked (hybrid_engine/request_grammar.py
+`DraftMasks`), or the target rejects what it could never write.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from hybrid_engine.request_grammar import DraftMasks, RequestGrammar
 from hybrid_engine.state_cache import HybridCacheManager
 
 if TYPE_CHECKING:
@@ -34,6 +37,9 @@ class CatchUp:
     next_tokens: list[int]     # token i+1 for each position i in start..start+n-1
     hidden: torch.Tensor       # [n, H] the target's final-normed hidden states at those positions
     draft: bool                # propose drafts from the last position
+    # A constrained request's grammar and the tokens this step emits (its drafts follow them)
+    grammar: RequestGrammar | None = None
+    emitted: list[int] = field(default_factory=list)
 
 
 class MTPDrafter:
@@ -50,7 +56,8 @@ class MTPDrafter:
         segs = [(c.start, len(c.next_tokens), self.cache.get(c.request_id).block_table) for c in catchups]
         hidden = catchups[0].hidden if len(catchups) == 1 else torch.cat([c.hidden for c in catchups])
         drafting = [i for i, c in enumerate(catchups) if c.draft]
-        drafts = self.runner.draft(segs, [t for c in catchups for t in c.next_tokens], hidden, drafting)
+        masks = DraftMasks.of([(catchups[i].grammar, catchups[i].emitted) for i in drafting])
+        drafts = self.runner.draft(segs, [t for c in catchups for t in c.next_tokens], hidden, drafting, masks)
         if drafts is None:
             return {}
         return dict(zip([catchups[i].request_id for i in drafting], drafts.tolist()))
@@ -74,4 +81,5 @@ def catch_up(result: SegmentResult, hidden: torch.Tensor, cache: HybridCacheMana
         # request's token L, which the cached block's entry may not (one MTP token, not a block).
         start, n, rows = start - 1, n + 1, torch.cat([hit_hidden[None].to(rows.dtype), rows])
     next_tokens = req.token_ids_in(start + 1, start + n + 1 - len(emitted)) + emitted
-    return CatchUp(req.request_id, start, next_tokens, rows, draft=seg.samples and not finishing)
+    return CatchUp(req.request_id, start, next_tokens, rows, draft=seg.samples and not finishing,
+                   grammar=req.grammar, emitted=emitted)
