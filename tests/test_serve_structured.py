@@ -18,7 +18,9 @@ import pytest
 from chat_checkpoint import REASONING, make_chat_checkpoint
 from hybrid_engine import LLM
 from hybrid_engine.serve.chat_output_parser import ChatOutputParser
-from hybrid_engine.serve.tool_choice import ForcedToolCallParser
+from hybrid_engine.serve.errors import APIError
+from hybrid_engine.serve.protocol import Tool
+from hybrid_engine.serve.tool_choice import ForcedToolCallParser, forced_calls
 from serve_support import client, running_server
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -222,6 +224,23 @@ def test_forced_calls_parse_the_same_however_the_output_is_cut(size):
     # cut by max_tokens before a call's name: nothing was a call, the text comes back as content
     parser = ForcedToolCallParser(ChatOutputParser(False, False), None)
     assert fold(parser, '[ {"na', size) == ([], '[ {"na')
+
+
+def test_required_lifts_the_tools_defs_to_the_top():
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [Tool.model_validate({"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {key: {"$ref": "#/$defs/Loc"}}, "required": [key], "$defs": {"Loc": loc}}}})
+        for name, key in (("go", "to"), ("stay", "at"))]
+    schema = forced_calls(tools, "required").schema
+    assert schema["$defs"] == {"Loc": loc} and "$defs" in tools[0].function.parameters   # the request's own untouched
+    jsonschema.validate([{"name": "go", "parameters": {"to": {"city": "P"}}}, {"name": "stay", "parameters": {
+        "at": {"city": "Q"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"to": {"city": 3}}}], schema)
+    tools[1].function.parameters["$defs"]["Loc"] = {"type": "string"}
+    with pytest.raises(APIError, match="another tool defines 'Loc' differently") as e:
+        forced_calls(tools, "required")
+    assert e.value.param == "tools[1].function.parameters.$defs.Loc"
 
 
 def _post(server, path, body):
