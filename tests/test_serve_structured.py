@@ -6,6 +6,7 @@ The default model is tiny and trained on Python source: sampled at temperature 1
 so the schemas bound their strings and numbers, and each request has a seed whose output
 completes its structure within max_tokens (finish_reason "stop", or "tool_calls")."""
 
+import asyncio
 import json
 import re
 
@@ -17,6 +18,7 @@ import pytest
 
 from chat_checkpoint import REASONING, make_chat_checkpoint
 from hybrid_engine import LLM
+from hybrid_engine.prompt import PreparedPrompt
 from hybrid_engine.serve.chat_output_parser import ChatOutputParser
 from hybrid_engine.serve.errors import APIError
 from hybrid_engine.serve.protocol import Tool
@@ -39,11 +41,16 @@ SAMPLED = dict(temperature=1.0, max_tokens=250)
 
 
 @pytest.fixture(scope="module")
-def server():
+def llm():
     llm = LLM(max_num_seqs=8, max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
     with running_server(llm) as s:
         yield s
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +295,25 @@ def test_bad_constraints_are_400s_naming_the_field(server, path, body, param, wo
     assert error["param"] == param and error["code"] == 400 and param in error["message"]
     for word in words:
         assert word in error["message"], error["message"]
+
+
+def test_constrained_requests_are_prepared_off_the_event_loop(llm, api, monkeypatch):
+    # A constrained request's first prepare builds xgrammar's vocabulary tables (0.9 s for
+    # Qwen3.5's): on the event loop it would stall every other client.
+    on_event_loop, prepare = [], llm.engine.prepare
+
+    def recording_prepare(prompt, params=None):
+        if not isinstance(prompt, PreparedPrompt):   # a prepared one is handed on as it is
+            try:
+                asyncio.get_running_loop()
+                on_event_loop.append(True)
+            except RuntimeError:
+                on_event_loop.append(False)
+        return prepare(prompt, params)
+    monkeypatch.setattr(llm.engine, "prepare", recording_prepare)
+    r = complete(api, n=2, extra_body={"guided_choice": ["ok", "fine"]})
+    assert {c.text for c in r.choices} <= {"ok", "fine"}
+    assert on_event_loop == [False, False]
 
 
 def test_the_server_serves_on_after_a_bad_constraint(server, api):

@@ -58,7 +58,7 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     max_tokens = check_fits(len(ids), req.max_completion_tokens or req.max_tokens, engine.max_model_len, field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = choice_params(req, max_tokens, logprobs, client.default_params, structured_outputs=constraint)
-    choices = [Choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(params)]
+    choices = [client.choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(params)]
     vocab = client.vocab
     reasoning = THINK_START in vocab and THINK_END in vocab
     return ChatPlan(new_id("chatcmpl"), choices, ids, reasoning=reasoning,

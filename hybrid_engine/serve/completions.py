@@ -63,7 +63,7 @@ def prepare(req: CompletionRequest, client: EngineClient) -> CompletionPlan:
         prompt_logprobs = req.logprobs if req.echo else None
         for j, params in enumerate(choice_params(req, max_tokens, req.logprobs, client.default_params,
                                                  prompt_logprobs, constraint)):
-            choices.append(Choice(ids, params, counts_prompt=j == 0))
+            choices.append(client.choice(ids, params, counts_prompt=j == 0))
     return CompletionPlan(new_id("cmpl"), choices, prompt_ids)
 
 
