@@ -32,8 +32,9 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
         "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 12}}}}},
     {"type": "function", "function": {"name": "add", "description": "The sum of two numbers.", "parameters": {
-        "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                                                 "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+        "type": "object", "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
 ]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -113,6 +114,8 @@ def test_json_object_is_a_json_object(api):
         assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict)
     r = complete(api, seed=3, extra_body={"response_format": {"type": "json_object"}})
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
+    text = chat(api, seed=3, max_tokens=12, response_format={"type": "text"}).choices[0].message.content
+    assert text == chat(api, seed=3, max_tokens=12).choices[0].message.content   # "text": unconstrained
 
 
 @pytest.mark.parametrize("field, value, check", [
@@ -223,9 +226,11 @@ def fold(parser, text: str, size: int) -> tuple[list[tuple[str, str]], str]:
 
 @pytest.mark.parametrize("size", [1, 2, 5, 1000])
 def test_forced_calls_parse_the_same_however_the_output_is_cut(size):
-    text = ' [ {"name": "add", "parameters": {"a": 1, "b": {"x": "}]\\"}"}}} ,\n{"name":"get_weather","parameters":{"city":"P"}} ]'
+    # a string holding brackets and an escaped quote, nested objects, free whitespace between calls
+    add = '{"a": 1, "b": {"x": "}]\\"}"}}'
+    text = ' [ {"name": "add", "parameters": ' + add + '} ,\n{"name":"get_weather","parameters":{"city":"P"}} ]'
     parser = ForcedToolCallParser(ChatOutputParser(False, False), None)
-    assert fold(parser, text, size) == ([("add", '{"a": 1, "b": {"x": "}]\\"}"}}'), ("get_weather", '{"city":"P"}')], "")
+    assert fold(parser, text, size) == ([("add", add), ("get_weather", '{"city":"P"}')], "")
     parser = ForcedToolCallParser(ChatOutputParser(False, False), "add")
     assert fold(parser, '{"a": 1}', size) == ([("add", '{"a": 1}')], "")
     # cut by max_tokens before a call's name: nothing was a call, the text comes back as content

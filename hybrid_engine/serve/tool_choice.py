@@ -3,8 +3,8 @@
 "required": the output is a JSON array of at least one call, each `{"name": <one of the tools'
 names>, "parameters": <that tool's arguments>}` (the items an anyOf with one branch per tool,
 the tools' `$defs` lifted to the top, where their `$ref`s point; with parallel_tool_calls false,
-OpenAI's "at most one call", exactly one). A named function: the output
-is the JSON of its arguments. The schema goes to the engine as the request's structured output
+OpenAI's "at most one call", exactly one). A named function: the output is the JSON of its
+arguments. The schema goes to the engine as the request's structured output
 (structured.py); ForcedToolCallParser turns the output back into tool calls as it streams, with
 the pieces ChatOutputParser gives for calls the model makes on its own, so chat.py answers both
 alike (`tool_calls`, content null, finish_reason "tool_calls").
@@ -56,7 +56,7 @@ def forced_calls(tools: list[Tool] | None, tool_choice, parallel_tool_calls: boo
 
 
 def _parameters(tool: Tool, index: int) -> dict:
-    params = copy.deepcopy(tool.function.parameters) if tool.function.parameters is not None else NO_PARAMETERS
+    params = copy.deepcopy(NO_PARAMETERS if tool.function.parameters is None else tool.function.parameters)
     field = f"tools[{index}].function.parameters"
     try:
         StructuredOutputsParams(json=params).validate()
