@@ -49,11 +49,12 @@ async def one_request(api, name: str, schema: dict, i: int, n: int, stream: bool
 @pytest.mark.parametrize("n, stream", [(1, False), (1, True), (3, False)])
 def test_200_completions_per_schema_parse_and_validate(served, n, stream):
     llm, server = served
-    api = client(server, asynchronous=True)
     requests = -(-COMPLETIONS // n)
 
     async def run(name, schema):
-        results = await asyncio.gather(*(one_request(api, name, schema, i, n, stream) for i in range(requests)))
+        # a client per asyncio.run: its connections belong to the loop that opened them
+        async with client(server, asynchronous=True) as api:
+            results = await asyncio.gather(*(one_request(api, name, schema, i, n, stream) for i in range(requests)))
         return [c for r in results for c in r][:COMPLETIONS]
 
     for name, schema in SCHEMAS.items():

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages through the chat template, then reasoning and tool calls
-parsed out of each choice's text (chat_output_parser.py).
+parsed out of each choice's text (chat_output_parser.py; tool_choice.py where tool_choice
+forces the calls).
 
 app.py runs prepare() on a worker thread, submits the plan's choices, and then awaits
 complete() or streams events(); the Generation is app.py's to close."""
@@ -19,7 +20,9 @@ from .protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCom
                        FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut, UsageInfo, new_id, now)
 from .sampling import check_fits, check_prompt_chars, choice_params
 from .sse import DONE, event
+from .structured import structured_outputs
 from .text_stream import StreamedText
+from .tool_choice import ForcedCalls, ForcedToolCallParser, forced_calls
 
 
 @dataclass
@@ -30,19 +33,20 @@ class ChatPlan:
     reasoning: bool
     tools: bool
     starts_in_reasoning: bool
+    forced: ForcedCalls | None = None
 
-    def parser(self) -> ChatOutputParser:
+    def parser(self) -> ChatOutputParser | ForcedToolCallParser:
+        if self.forced is not None:
+            return self.forced.parser(ChatOutputParser(self.reasoning, False, self.starts_in_reasoning))
         return ChatOutputParser(self.reasoning, self.tools, self.starts_in_reasoning)
 
 
 def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     """The chat template and tokenization: CPU work, run on a worker thread (app.py)."""
-    if isinstance(req.tool_choice, dict):
-        raise APIError(400, "tool_choice naming a function is not supported; use \"auto\" or \"none\"", "tool_choice")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: only allowed with logprobs true", "top_logprobs")
+    forced = forced_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
+    constraint = structured_outputs(req, forced.schema if forced is not None else None)
     engine = client.engine
     prompt = render_chat(engine.tokenizer, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
     check_prompt_chars(len(prompt), client.prompt_char_limit, engine.max_model_len, "messages")
@@ -53,12 +57,14 @@ def prepare(req: ChatCompletionRequest, client: EngineClient) -> ChatPlan:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = check_fits(len(ids), req.max_completion_tokens or req.max_tokens, engine.max_model_len, field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    choices = [Choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(choice_params(req, max_tokens, logprobs, client.default_params))]
+    params = choice_params(req, max_tokens, logprobs, client.default_params, structured_outputs=constraint)
+    choices = [client.choice(ids, p, counts_prompt=i == 0) for i, p in enumerate(params)]
     vocab = client.vocab
     reasoning = THINK_START in vocab and THINK_END in vocab
     return ChatPlan(new_id("chatcmpl"), choices, ids, reasoning=reasoning,
                     tools=bool(req.tools) and req.tool_choice != "none" and TOOL_START in vocab,
-                    starts_in_reasoning=reasoning and prompt.rfind(THINK_START) > prompt.rfind(THINK_END))
+                    starts_in_reasoning=reasoning and prompt.rfind(THINK_START) > prompt.rfind(THINK_END),
+                    forced=forced)
 
 
 def _finish_reason(out, saw_tool_call: bool) -> str | None:

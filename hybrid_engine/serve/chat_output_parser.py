@@ -129,8 +129,12 @@ class ChatOutputParser:
 
     def _piece(self, delta) -> ToolCallPiece:
         if delta.name is not None:
-            return ToolCallPiece(self.num_tool_calls, f"call_{uuid.uuid4().hex[:24]}", delta.name, delta.arguments)
+            return ToolCallPiece(self.num_tool_calls, new_call_id(), delta.name, delta.arguments)
         return ToolCallPiece(self.num_tool_calls, arguments=delta.arguments)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _partial_tag_suffix(text: str, tags: tuple[str, ...]) -> int:

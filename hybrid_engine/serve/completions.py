@@ -20,6 +20,7 @@ from .logprobs import completion_logprobs
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, new_id, now
 from .sampling import check_fits, check_prompt_chars, choice_params
 from .sse import DONE, event
+from .structured import structured_outputs
 from .text_stream import StreamedText
 
 
@@ -45,6 +46,7 @@ def prepare(req: CompletionRequest, client: EngineClient) -> CompletionPlan:
         prompts = [prompts]
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
+    constraint = structured_outputs(req)
     engine = client.engine
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -60,8 +62,8 @@ def prepare(req: CompletionRequest, client: EngineClient) -> CompletionPlan:
         prompt_ids.append(ids)
         prompt_logprobs = req.logprobs if req.echo else None
         for j, params in enumerate(choice_params(req, max_tokens, req.logprobs, client.default_params,
-                                                 prompt_logprobs)):
-            choices.append(Choice(ids, params, counts_prompt=j == 0))
+                                                 prompt_logprobs, constraint)):
+            choices.append(client.choice(ids, params, counts_prompt=j == 0))
     return CompletionPlan(new_id("cmpl"), choices, prompt_ids)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hybrid_engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from hybrid_engine.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError
 from .protocol import SamplingFields
@@ -32,8 +33,9 @@ DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
              "frequency_penalty")
 
 
-def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                  defaults: SamplingParams, prompt_logprobs: int | None = None) -> list[SamplingParams]:
+def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None, defaults: SamplingParams,
+                  prompt_logprobs: int | None = None,
+                  structured_outputs: StructuredOutputsParams | None = None) -> list[SamplingParams]:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
@@ -45,7 +47,7 @@ def choice_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             defaults, **given, max_tokens=max_tokens, min_tokens=req.min_tokens,
             seed=None if req.seed is None else req.seed + i, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output))
+            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs))
     return out
 
 

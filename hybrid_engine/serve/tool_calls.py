@@ -1,4 +1,5 @@
-"""One Qwen tool call's body, `{"name": ..., "arguments": {...}}`, streamed as it is generated.
+"""One Qwen tool call's body, `{"name": ..., "arguments": {...}}`, streamed as it is generated
+(`"parameters"` for `"arguments"` too: the shape tool_choice "required" constrains, tool_choice.py).
 
 Qwen3 / Qwen3.5 chat templates ask the model for `<tool_call>\n{json}\n</tool_call>`; the
 chat output parser hands this class the text between the tags. Once the name is complete and
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 # The name complete, then `"arguments":` and the value's first character (the lookahead),
 # so that a prefix of the body matches exactly where the whole body would.
-_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ToolCallBody:
         self.name: str | None = None     # set when the header has gone out
         self._scanned = 0                    # body[:_scanned] has been through the scanner
         self._value_end: int | None = None   # index in body just past the arguments value
-        self._scan = _ValueScanner()
+        self._scan = ValueScanner()
 
     def feed(self, text: str) -> ToolCallDelta | None:
         self.body += text
@@ -89,7 +90,7 @@ def _json_string(escaped: str) -> str:
         return escaped
 
 
-class _ValueScanner:
+class ValueScanner:
     """Finds where a JSON value ends, one character at a time: push() is True for the first
     character that is not part of the value."""
 
