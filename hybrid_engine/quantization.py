@@ -16,7 +16,8 @@ engine's log says which.
 
 Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
 `CheckpointLayers` (compressed-tensors, GPTQ and FP8 folders; MoE experts too, per expert) and
-`GgufLayers` (GGUF files; their quantized experts are read dequantized, float).
+`GgufLayers` (GGUF files; their quantized experts are read dequantized, then quantized per
+expert at the file's bits, which gives the file's blocks again).
 
 The quantized layers run QuantizedLinearMethod (kernels/linear/quantized.py): the native kernel
 where the cpu backend's kernels build (activations rounded to int8 in blocks of 32, as
@@ -197,7 +198,7 @@ class GgufLayers:
 
     def __call__(self, name: str, layer) -> LinearMethod | None:
         if not hasattr(layer, "shards"):
-            return None                                  # experts: float (quantized ones not read yet)
+            return self._experts(name)
         if name in FLOAT_LAYERS:
             return self.float_method
         projections = [base for base, _ in shard_names(layer, name)]
@@ -212,6 +213,18 @@ class GgufLayers:
         from .checkpoint_formats.gguf import GROUP, GgufBlocks
         return QuantizedLinearMethod(max(quantized), GROUP, native=self.native, float_shards=float_shards,
                                      checkpoint=GgufBlocks(max(quantized)), float_method=self.float_method)
+
+    def _experts(self, name: str) -> LinearMethod | None:
+        """A MoE layer's experts, stored as stacked quantized tensors (ffn_{gate,up,down}_exps):
+        read dequantized, stacked, then quantized per expert as online quantization does
+        (models/mlp.py Experts), at the file's bits. That gives the file's blocks again: Q8_0's
+        scale is llama.cpp's int8 rule, and int4's scale search finds Q4_0's, where the error of
+        the dequantized values is zero (tests/test_gguf.py). None: float, as stored."""
+        bits = self.file.stored_expert_bits(name)
+        if bits is None:
+            return None
+        from .checkpoint_formats.gguf import GROUP
+        return QuantizedLinearMethod(bits, GROUP, native=self.native)
 
     def progress_bar(self, tensors):
         return tensors

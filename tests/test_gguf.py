@@ -15,7 +15,6 @@ import torch
 from hybrid_engine import LLM, LLMEngine, SamplingParams
 from hybrid_engine.cli import main as cli_main
 from hybrid_engine import quantization
-from hybrid_engine.quantization import QuantizedLayers
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, unpack
 from hybrid_engine.models.config import CheckpointError
 
@@ -68,6 +67,12 @@ def test_quantized_file_runs_as_its_dequantized_weights(ckpt, tmp_path, qtype, b
         assert isinstance(method, QuantizedLinearMethod) and (method.bits, method.group_size) == (bits, 32), name
     assert layers["layers.0.linear_attn.in_proj"].method.float_shards == ("in_proj_b", "in_proj_a")
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
+    experts = [m for name, m in layers.items() if name.endswith("mlp.experts")]
+    for e in (e for m in experts for e in m.per_expert):           # MoE experts: quantized, per expert
+        for proj in (e.gate_up_proj, e.down_proj):
+            assert isinstance(proj.method, QuantizedLinearMethod) and proj.method.bits == bits
+            assert proj.qweight is not None
+    assert bool(experts) == (ckpt.name.startswith(("qwen3_5_moe", "qwen3_next")))
     _assert_same_run(greedy_runs(engine), greedy_runs(_engine(reference)))
 
 
@@ -76,10 +81,9 @@ def test_quantized_file_runs_as_online_quantization_on_the_default_backend(ckpt,
                                                                            method):
     """Online quantization of the dequantized weights gives the file's blocks again (int8: llama.cpp's
     Q8_0 rule; int4: its search finds the Q4_0 scale, whose error there is 0), so the native kernels
-    (x rounded to int8) give the same bits. (MoE experts: a GGUF file's load float, not read
-    quantized yet; online quantization likewise here. The file's output table is Q4_0 too: online
-    int4's int8 lm_head is set to int4 here.)"""
-    monkeypatch.setattr(QuantizedLayers, "_experts", lambda self, name, experts: None)
+    (x rounded to int8) give the same bits. MoE experts too: the file's are read dequantized and
+    quantized per expert at the file's bits, as online quantization does. (The file's output
+    table is Q4_0 too: online int4's int8 lm_head is set to int4 here.)"""
     monkeypatch.setattr(quantization, "LM_HEAD_MIN_BITS", 4)
     path = write_gguf(ckpt, tmp_path / "q.gguf", qtype)
     reference = write_gguf(ckpt, tmp_path / "deq.gguf", qtype, dequantized=True)

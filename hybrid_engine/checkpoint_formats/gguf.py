@@ -148,6 +148,16 @@ class GgufFile:
             return None                    # columns reordered across blocks (the module docstring)
         return bits
 
+    def stored_expert_bits(self, experts: str) -> int | None:
+        """8 or 4 where every stacked tensor of the MoE layer's experts `experts` (ours, e.g.
+        layers.3.mlp.experts) is stored quantized, 8 if any of them is 8-bit; None otherwise."""
+        sources = [s for proj in ("gate_up_proj", "down_proj") for s in self._sources(f"{experts}.{proj}")]
+        if not sources or any(s not in self.tensors for s in sources):
+            return None
+        _, exact, requantized = _types()
+        bits = [exact.get(t, requantized.get(t)) for t in (self.tensors[s].tensor_type for s in sources)]
+        return max(bits) if all(bits) else None
+
     # ---- reading ---------------------------------------------------------------------------
 
     def _check_type(self, gname: str) -> None:
