@@ -66,6 +66,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer, None without one (vLLM's method of the same name)."""
+        return self.engine.tokenizer
+
     def reset_prefix_cache(self) -> None:
         """Forgets the cached prefixes no running request holds (vLLM's method of the same name)."""
         self.loop.run_on_loop(lambda engine: engine.reset_prefix_cache())

@@ -257,7 +257,7 @@ def test_reasoning_is_not_constrained_the_answer_is(tmp_path):
     folder = make_chat_checkpoint(tmp_path / "chat")
     llm = LLM(model=str(folder), dtype="float32")
     params = so(choice=["yes", "no"], temperature=0.0, max_tokens=12)
-    tok = llm.engine.tokenizer
+    tok = llm.get_tokenizer()
     prompt = tok.apply_chat_template([{"role": "user", "content": "Weather?"}], tokenize=False,
                                      add_generation_prompt=True, enable_thinking=True)
     assert prompt.endswith("<think>")
