@@ -10,19 +10,31 @@ from .config import ModelConfig
 from hybrid_engine.kernels.linear import LinearMethod
 
 from .linear import Linear
+from .parallel import SINGLE, TensorParallel
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, method: LinearMethod | None = None):
+    """tp: gate and up rows split over the ranks, down_proj's matching columns, its partial
+    outputs summed (models/parallel.py)."""
+
+    def __init__(self, hidden: int, intermediate: int, method: LinearMethod | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, shards={"gate_proj": intermediate, "up_proj": intermediate}, method=method)
-        self.down_proj = Linear(intermediate, hidden, method=method)
+        split = tp.by_segments((intermediate,))
+        local = split.local_size()
+        self.gate_up_proj = Linear(hidden, shards={"gate_proj": local, "up_proj": local}, method=method,
+                                   splits={"gate_proj": split, "up_proj": split} if tp.size > 1 else None)
+        self.down_proj = Linear(local, hidden, method=method,
+                                splits={None: tp.by_segments((intermediate,), dim=1)} if tp.size > 1 else None,
+                                combine=tp.all_reduce)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         # down(silu(gate) * up): one fused call where the method has one for both layouts,
-        # else the products and the backend's silu_mul
-        gate_up = self.gate_up_proj
-        return gate_up.method.apply_swiglu(gate_up, self.down_proj, x, ops.silu_mul)
+        # else the products and the backend's silu_mul (both past down_proj's own call, so
+        # its combine follows here)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        y = gate_up.method.apply_swiglu(gate_up, down, x, ops.silu_mul)
+        return y if down.combine is None else down.combine(y)
 
 
 class Experts(nn.Module):
@@ -124,7 +136,8 @@ class SparseMoE(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
 
 
-def make_mlp(cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = None) -> nn.Module:
+def make_mlp(cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = None,
+             tp: TensorParallel = SINGLE) -> nn.Module:
     if cfg.layer_is_moe(layer_idx):
         return SparseMoE(cfg, method)
-    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, method)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, method, tp)
