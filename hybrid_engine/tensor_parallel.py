@@ -1,0 +1,245 @@
+"""Tensor parallelism over processes on one machine, on torch.distributed (gloo).
+
+The engine's process is rank 0, the driver: it alone schedules, builds each step's inputs,
+samples and updates requests. At start-up it spawns N-1 worker processes (torch.multiprocessing,
+spawn), and every rank joins one gloo group over 127.0.0.1. Each rank loads its part of the
+model (models/parallel.py: heads, MLP rows, vocabulary rows) and holds a cache of the same
+geometry (blocks, slots, checkpoint entries) for its own heads only, so the driver's block
+tables and slot numbers mean the same on every rank and admission is decided once, by the driver.
+
+Each step the driver sends every worker one message (`StepChannel`: one broadcast of a fixed
+buffer, a second only for a message that overflows it): the step's input ids, its ForwardBatch
+and the cache copies made since the last step (a fork's, a prefix hit's, a checkpoint's:
+`CachePools.copies`), which the workers repeat on their own pools before the forward. Then all
+ranks run the forward, joining in its all-reduces (o_proj, out_proj, down_proj) and in the
+gather of the logits on rank 0, where sampling happens.
+
+A worker that dies closes its sockets: the driver's next collective fails, and the step raises
+an error naming the dead workers (a worker that hangs instead fails it after COLLECTIVE_TIMEOUT).
+A driver that goes away ends its workers the same way, and `shutdown()` (LLM.shutdown, or the
+interpreter's exit: the workers are daemonic) ends them at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybrid_engine.models.parallel import TensorParallel
+
+from .model_runner import EagerSteps
+from .step_inputs import StepInputs
+
+# How long a collective waits for the other ranks before it fails the step (a hung worker). A
+# worker waits for the driver's next step as long as the driver lives (its sockets close when it ends).
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+WORKER_IDLE_TIMEOUT = timedelta(days=365)
+# A step's message is one broadcast of this many bytes (about 1 KB per running request for a
+# step of 16 decodes at 0.8B dims' block tables), a second one only for a longer message.
+STEP_MESSAGE_BYTES = 64 << 10
+_LENGTH_BYTES = 8
+SHUTDOWN_JOIN_S = 5.0
+
+
+def parallel_for(rank: int, size: int) -> TensorParallel:
+    """This rank's place and the group's collectives, for the model (models/parallel.py)."""
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def gather_logits(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        if rank != 0:
+            dist.gather(t, dst=0)
+            return t
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.gather(t, parts, dst=0)
+        return torch.cat(parts, dim=-1)
+
+    return TensorParallel(rank, size, all_reduce, gather_logits)
+
+
+class StepChannel:
+    """Objects from rank 0 to every rank, pickled with tensors as their bare bytes (a view of a
+    step's persistent buffer would otherwise carry its whole storage)."""
+
+    def __init__(self):
+        self.buffer = torch.zeros(STEP_MESSAGE_BYTES, dtype=torch.uint8)
+
+    def send(self, obj) -> None:
+        data = _dumps(obj)
+        fit = min(len(data), STEP_MESSAGE_BYTES - _LENGTH_BYTES)
+        head = self.buffer.numpy()
+        head[:_LENGTH_BYTES] = memoryview(len(data).to_bytes(_LENGTH_BYTES, "little"))
+        head[_LENGTH_BYTES:_LENGTH_BYTES + fit] = memoryview(data)[:fit]
+        dist.broadcast(self.buffer, 0)
+        if fit < len(data):
+            dist.broadcast(torch.frombuffer(bytearray(data[fit:]), dtype=torch.uint8), 0)
+
+    def receive(self):
+        dist.broadcast(self.buffer, 0)
+        head = self.buffer.numpy()
+        n = int.from_bytes(head[:_LENGTH_BYTES].tobytes(), "little")
+        fit = min(n, STEP_MESSAGE_BYTES - _LENGTH_BYTES)
+        data = head[_LENGTH_BYTES:_LENGTH_BYTES + fit].tobytes()
+        if fit < n:
+            rest = torch.empty(n - fit, dtype=torch.uint8)
+            dist.broadcast(rest, 0)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            return _tensor, (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return NotImplemented
+
+
+def _dumps(obj) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    """The driver's side: the workers it started and the channel to them. config: the engine's
+    (its model resolved to a path), which each worker loads its part of the model from."""
+
+    def __init__(self, config, size: int):
+        self.size = size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.workers = [ctx.Process(target=_worker_main, args=(rank, size, port, config), daemon=True,
+                                    name=f"hybrid-engine-tp{rank}") for rank in range(1, size)]
+        # One thread per worker (OpenMP reads it once, as torch starts in the child).
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for worker in self.workers:
+                worker.start()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.channel = StepChannel()
+        self.parallel = parallel_for(0, size)
+        self._closed = False
+
+    def start_cache(self, pools) -> None:
+        """Each worker allocates a cache of `pools`' geometry for its heads; from now on the
+        driver's pools log their copies for the workers to repeat."""
+        pools.copies = []
+        self.channel.send(pools.geometry())
+
+    def send_step(self, input_ids: torch.Tensor, batch, pools) -> None:
+        """The step's message: its input ids, its ForwardBatch (the workers use their own kernel
+        backend) and the cache copies since the last step."""
+        copies, pools.copies = pools.copies, []
+        try:
+            self.channel.send((input_ids, dataclasses.replace(batch, kernels=None), copies))
+        except Exception as e:
+            raise self.failure(e) from e
+
+    def failure(self, error: BaseException) -> RuntimeError:
+        """A clear error for a collective that failed: which workers have died, if any."""
+        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        if dead:
+            return RuntimeError(f"tensor-parallel worker {', '.join(dead)} has died: {error}")
+        return RuntimeError(f"a tensor-parallel collective failed (no worker has exited): {error}")
+
+    def shutdown(self) -> None:
+        """Ends the workers (a last message where they can take it, then their processes)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(w.is_alive() for w in self.workers):
+                self.channel.send(None)
+        except Exception:
+            pass                               # a broken group: the workers are ended below
+        self._stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            worker.join(SHUTDOWN_JOIN_S)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(SHUTDOWN_JOIN_S)
+
+
+def _worker_main(rank: int, size: int, port: int, config) -> None:
+    """A worker: its part of the model and of the cache, then the forward of every step the
+    driver sends, until it sends None."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=WORKER_IDLE_TIMEOUT)
+    try:
+        _serve_steps(rank, size, config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve_steps(rank: int, size: int, config) -> None:
+    from hybrid_engine.kernels import make_backend
+    from hybrid_engine.models import load_model
+    from hybrid_engine.state_cache import CachePools
+
+    kernels = make_backend(config.kernel_backend, config.device)
+    method = kernels.linear_method(compiled=False, few_rows_copy=config.bf16_few_rows_copy)
+    model, _ = load_model(config.model, config.dtype, config.device, method=method, tp=parallel_for(rank, size))
+    channel = StepChannel()
+    pools = CachePools(*channel.receive(), device=config.device)
+    with torch.inference_mode():
+        while (message := channel.receive()) is not None:
+            input_ids, batch, copies = message
+            for name, args in copies:
+                getattr(pools, name)(*args)
+            model.forward_step(input_ids, dataclasses.replace(batch, kernels=kernels), pools)
+
+
+class TensorParallelSteps(EagerSteps):
+    """The driver's execution strategy (hybrid_engine/model_runner.py): each step's message to
+    the workers, then its own part of the forward, eagerly."""
+
+    def __init__(self, model, caches, group: TensorParallelGroup):
+        super().__init__(model, caches)
+        self.group = group
+
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        self.group.send_step(inputs.input_ids, inputs.batch, self.caches)
+        try:
+            return super().forward(inputs)
+        except RuntimeError as e:              # gloo's, from a collective
+            raise self.group.failure(e) from e
