@@ -107,8 +107,8 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> torch.Te
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
-            return _tensor, (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            flat = obj.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+            return _tensor, (obj.dtype, tuple(obj.shape), flat.view(torch.uint8).numpy().tobytes())
         return NotImplemented
 
 
@@ -165,17 +165,13 @@ class TensorParallelGroup:
         """The step's message: its input ids, its ForwardBatch (the workers use their own kernel
         backend) and the cache copies since the last step."""
         copies, pools.copies = pools.copies, []
-        try:
-            self.channel.send((input_ids, dataclasses.replace(batch, kernels=None), copies))
-        except Exception as e:
-            raise self.failure(e) from e
+        self.channel.send((input_ids, dataclasses.replace(batch, kernels=None), copies))
 
-    def failure(self, error: BaseException) -> RuntimeError:
-        """A clear error for a collective that failed: which workers have died, if any."""
+    def dead_workers(self) -> RuntimeError | None:
+        """The error that names the workers that have died (None while all live): what a
+        failed collective reports in place of gloo's own."""
         dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
-        if dead:
-            return RuntimeError(f"tensor-parallel worker {', '.join(dead)} has died: {error}")
-        return RuntimeError(f"a tensor-parallel collective failed (no worker has exited): {error}")
+        return RuntimeError(f"tensor-parallel worker {', '.join(dead)} has died") if dead else None
 
     def shutdown(self) -> None:
         """Ends the workers (a last message where they can take it, then their processes)."""
@@ -238,8 +234,11 @@ class TensorParallelSteps(EagerSteps):
         self.group = group
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.send_step(inputs.input_ids, inputs.batch, self.caches)
         try:
+            self.group.send_step(inputs.input_ids, inputs.batch, self.caches)
             return super().forward(inputs)
-        except RuntimeError as e:              # gloo's, from a collective
-            raise self.group.failure(e) from e
+        except RuntimeError as e:
+            dead = self.group.dead_workers()
+            if dead is None:
+                raise
+            raise dead from e

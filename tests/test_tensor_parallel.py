@@ -1,0 +1,194 @@
+"""Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
+TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
+preemption included), head counts that do not split are refused before any process starts, and
+no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.models.parallel import Split
+
+from checkpoints import make_hf_model, save_checkpoint
+from engine_checks import assert_no_leak, budget_for_blocks
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp_dense")
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def four_way_ckpt(tmp_path_factory):
+    """4 GDN key heads, so that 4 ranks split them; 2 KV heads, replicated over pairs of ranks;
+    vocabulary 250, which 4 does not divide (lm_head's last part padded)."""
+    folder = tmp_path_factory.mktemp("tp_four")
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2, linear_num_key_heads=4, vocab_size=250),
+                    folder)
+    return folder
+
+
+def _prompts(n=6, lo=1, hi=70, vocab=250, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _children() -> set[int]:
+    """Pids of this process's live (not zombie) children."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            pids.add(int(entry))
+    return pids
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    return [w.pid for w in llm.engine.tp_group.workers]
+
+
+def _generate(llm: LLM, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def _assert_same(tp1, tp2):
+    for a, b in zip(tp1, tp2, strict=True):
+        for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
+            assert tokens_a == tokens_b
+            for pa, pb in zip(logprobs_a, logprobs_b, strict=True):
+                assert pa.keys() == pb.keys()
+                assert max(abs(pa[t] - pb[t]) for t in pa) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
+    """Chunked prefill, n=2 (the fork's copies reach the workers) and a second round that hits the
+    prefix cache (its checkpoint copies too)."""
+    prompts = _prompts(vocab=256)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True, logprobs=2, n=1 + (i == 2))
+              for i in range(len(prompts))]
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend=backend, max_num_seqs=8,
+                  max_num_batched_tokens=32, tensor_parallel_size=size)
+        first = _generate(llm, prompts, params)
+        again = _generate(llm, prompts, params)
+        assert llm.engine.prefix_cache_stats["hits"] > 0
+        assert_no_leak(llm.engine)
+        llm.shutdown()
+        runs.append((first, again))
+    _assert_same(runs[0][0], runs[1][0])
+    _assert_same(runs[0][1], runs[1][1])
+    _assert_same(runs[1][0], runs[1][1])
+
+
+def test_tp2_with_preemption(dense_ckpt):
+    prompts = _prompts(n=8, lo=20, hi=90, vocab=256, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", enable_prefix_caching=False)
+    want = [o.token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
+    alone.shutdown()
+    probe = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                                   tensor_parallel_size=2))
+    budget = budget_for_blocks(probe, 20)           # per rank: 8 requests need up to 8 x 7 blocks
+    probe.shutdown()
+    tight = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                cache_memory_bytes=budget, tensor_parallel_size=2)
+    assert tight.engine.cache.num_blocks == 20
+    assert [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == want
+    assert tight.engine.num_preemptions > 0
+    tight.shutdown()
+
+
+def test_tp4_with_replicated_kv_heads_and_padded_vocabulary(four_way_ckpt):
+    prompts = _prompts(n=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 4):
+        llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        runs.append(_generate(llm, prompts, params))
+        if size == 4:
+            spec = llm.engine.cache.spec
+            assert (spec.num_kv_heads, spec.num_v_heads) == (1, 1)        # 2 KV heads over 4 ranks
+        llm.shutdown()
+    _assert_same(*runs)
+
+
+def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp_path):
+    before = _children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split num_attention_heads \(4\), "
+                                         r".*linear_num_key_heads \(2\).*sizes that work for this model: 1, 2$"):
+        LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", tensor_parallel_size=3))
+    assert _children() == before
+    moe = tmp_path / "moe"
+    save_checkpoint(make_hf_model("qwen3_next"), moe)
+    with pytest.raises(ValueError, match="supports the dense Qwen3.5 family"):
+        LLMEngine(EngineConfig(model=str(moe), dtype="float32", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), quantization yet"):
+        EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, quantization="int8",
+                     speculative_config={"num_speculative_tokens": 1}).validate()
+
+
+def test_shutdown_ends_the_workers(dense_ckpt):
+    llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+    pids = _worker_pids(llm)
+    assert set(pids) <= _children()
+    llm.shutdown()
+    assert not set(pids) & _children()
+
+
+def test_a_dead_worker_fails_the_next_step_at_once(dense_ckpt):
+    llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
+    (pid,) = _worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(exit code -9\) has died"):
+        llm.generate([[4, 5, 6]], params, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    llm.shutdown()
+    assert not {pid} & _children()
+
+
+def test_workers_end_with_the_interpreter(dense_ckpt):
+    """A script that never calls shutdown: its workers end with it."""
+    script = textwrap.dedent(f"""
+        from hybrid_engine import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(dense_ckpt)!r}, dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+            print(*[w.pid for w in llm.engine.tp_group.workers], flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    for pid in map(int, done.stdout.split()):
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_split_takes_each_segment_s_part_and_pads():
+    full = torch.arange(10).view(10, 1)
+    assert Split(0, (4, 2, 4), 2, 1).take(full).flatten().tolist() == [2, 3, 5, 8, 9]
+    assert Split(0, (10,), 4, 3).take(full).flatten().tolist() == [9, 0, 0]
+    assert Split(0, (4,), 2, 0).full_shape((2, 1)) == (4, 1)
