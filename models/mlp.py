@@ -30,11 +30,17 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         # down(silu(gate) * up): one fused call where the method has one for both layouts,
-        # else the products and the backend's silu_mul (both past down_proj's own call, so
-        # its combine follows here)
-        gate_up, down = self.gate_up_proj, self.down_proj
-        y = gate_up.method.apply_swiglu(gate_up, down, x, ops.silu_mul)
-        return y if down.combine is None else down.combine(y)
+        # else the products and the backend's silu_mul
+        gate_up = self.gate_up_proj
+        return gate_up.method.apply_swiglu(gate_up, self.down_proj, x, ops.silu_mul)
+
+
+class ParallelSwiGLU(SwiGLU):
+    """A tensor-parallel rank's SwiGLU: apply_swiglu runs down_proj's product past the layer's
+    own call, so its combine (the all-reduce) follows here."""
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj.combine(super().forward(x, ops))
 
 
 class Experts(nn.Module):
@@ -140,4 +146,4 @@ def make_mlp(cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = Non
              tp: TensorParallel = SINGLE) -> nn.Module:
     if cfg.layer_is_moe(layer_idx):
         return SparseMoE(cfg, method)
-    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, method, tp)
+    return (SwiGLU if tp.size == 1 else ParallelSwiGLU)(cfg.hidden_size, cfg.intermediate_size, method, tp)

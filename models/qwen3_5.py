@@ -50,7 +50,7 @@ class HybridForCausalLM(nn.Module):
         self.norm = _NormWeight(cfg.hidden_size)
         vocab = tp.by_segments((cfg.vocab_size,))
         self.lm_head = Linear(cfg.hidden_size, vocab.local_size(), method=method,
-                              splits={None: vocab} if tp.size > 1 else None, combine=tp.gather_logits)
+                              splits={None: vocab} if tp.size > 1 else None, combine=_gathered_logits(tp, cfg.vocab_size))
         # The MTP layer's KV pool comes right after the main model's attention pools.
         self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL], method=method) if with_mtp else None
 
@@ -93,9 +93,7 @@ class HybridForCausalLM(nn.Module):
         return self.mtp(embeds, hidden.to(embeds.dtype), batch, caches, rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        # tensor parallel: the gathered vocabulary parts, less the last part's padding rows
-        return logits if self.tp.size == 1 else logits[..., :self.cfg.vocab_size]
+        return self.lm_head(hidden)
 
     def process_weights_after_loading(self, layers: list[nn.Module]) -> None:
         """Once, after loading: each of `layers` (the modules models/load.py did not process as
@@ -117,6 +115,14 @@ class HybridForCausalLM(nn.Module):
             table = self.embed_tokens.weight
             self.embed_tokens.weight = nn.Parameter(torch.empty(table.shape, dtype=table.dtype, device="meta"),
                                                     requires_grad=False)
+
+
+def _gathered_logits(tp: TensorParallel, vocab_size: int):
+    """lm_head's combine under tensor parallelism: the ranks' vocabulary parts gathered, less
+    the last part's padding rows."""
+    if tp.gather_logits is None:
+        return None
+    return lambda part: tp.gather_logits(part)[..., :vocab_size]
 
 
 def _unpin_shared_storages(model: nn.Module) -> None:
