@@ -7,7 +7,9 @@ GDN's q, k, v, z, b, a, conv taps, A_log and dt_bias by key / value heads, the M
 up rows; o_proj, GDN's out_proj and the MLP's down_proj take the matching input columns, and
 their partial outputs are summed across ranks (`all_reduce`). lm_head holds 1/N of the
 vocabulary rows (the last rank's part padded with zero rows where N does not divide the
-vocabulary) and the logits are gathered on rank 0 (`gather_logits`). The embedding is
+vocabulary) and the logits are gathered on rank 0 (`gather_logits`). An MoE block keeps its
+router and shared-expert gate whole and splits each expert's (and the shared expert's)
+intermediate rows like the MLP's, its output summed once (TP over the experts, not EP yet). The embedding is
 replicated: a lookup of T rows costs nothing next to the all-reduce of [T, H] a vocab-parallel
 embedding needs in every step.
 """
@@ -98,9 +100,6 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if size == 1:
         return
-    if cfg.family not in ("qwen3_5",):
-        raise ValueError(f"tensor_parallel_size > 1 supports the dense Qwen3.5 family (qwen3_5, qwen3_5_text) "
-                         f"for now, not the {cfg.family} family")
     bad = [name for name, count, ok in _dimensions(cfg) if not ok(count, size)]
     if bad:
         works = [n for n in range(1, 65) if all(ok(count, n) for _, count, ok in _dimensions(cfg))]
@@ -118,8 +117,14 @@ def _divides_or_replicates(count: int, size: int) -> bool:
 
 
 def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], bool]]]:
-    return [("num_attention_heads", cfg.num_attention_heads, _divides),
+    dims = [("num_attention_heads", cfg.num_attention_heads, _divides),
             ("num_key_value_heads", cfg.num_key_value_heads, _divides_or_replicates),
             ("linear_num_key_heads", cfg.linear_num_key_heads, _divides),
-            ("linear_num_value_heads", cfg.linear_num_value_heads, _divides),
-            ("intermediate_size", cfg.intermediate_size, _divides)]
+            ("linear_num_value_heads", cfg.linear_num_value_heads, _divides)]
+    moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
+    if not all(moe):
+        dims.append(("intermediate_size", cfg.intermediate_size, _divides))
+    if any(moe):
+        dims += [("moe_intermediate_size", cfg.moe_intermediate_size, _divides),
+                 ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, _divides)]
+    return dims

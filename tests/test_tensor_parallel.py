@@ -1,6 +1,6 @@
 """Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
 TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
-preemption included), head counts that do not split are refused before any process starts, and
+preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next), head counts that do not split are refused before any process starts, and
 no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
 
 import os
@@ -131,6 +131,21 @@ def test_tp4_with_replicated_kv_heads_and_padded_vocabulary(four_way_ckpt):
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family):
+    """The experts and the shared expert split by their intermediate rows, the router whole;
+    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them."""
+    save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
+    prompts = _prompts(n=3, vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    _assert_same(*runs)
+
+
 def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp_path):
     before = _children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split num_attention_heads \(4\), "
@@ -138,9 +153,10 @@ def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp
         LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", tensor_parallel_size=3))
     assert _children() == before
     moe = tmp_path / "moe"
-    save_checkpoint(make_hf_model("qwen3_next"), moe)
-    with pytest.raises(ValueError, match="supports the dense Qwen3.5 family"):
-        LLMEngine(EngineConfig(model=str(moe), dtype="float32", tensor_parallel_size=2))
+    save_checkpoint(make_hf_model("qwen3_5_moe", moe_intermediate_size=6, linear_num_key_heads=4), moe)
+    with pytest.raises(ValueError, match=r"does not split moe_intermediate_size \(6\) evenly; "
+                                         r"sizes that work for this model: 1, 2$"):
+        LLMEngine(EngineConfig(model=str(moe), dtype="float32", tensor_parallel_size=4))
     with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), quantization yet"):
         EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, quantization="int8",
                      speculative_config={"num_speculative_tokens": 1}).validate()
