@@ -159,7 +159,14 @@ class TensorParallelGroup:
         """Each worker allocates a cache of `pools`' geometry for its heads; from now on the
         driver's pools log their copies for the workers to repeat."""
         pools.copies = []
-        self.channel.send(pools.geometry())
+        try:
+            self.channel.send(pools.geometry())
+            dist.barrier()                     # every worker has loaded its part and its cache
+        except RuntimeError as e:
+            dead = self.dead_workers()
+            if dead is None:
+                raise
+            raise dead from e
 
     def send_step(self, input_ids: torch.Tensor, batch, pools) -> None:
         """The step's message: its input ids, its ForwardBatch (the workers use their own kernel
@@ -217,6 +224,7 @@ def _serve_steps(rank: int, size: int, config) -> None:
     model, _ = load_model(config.model, config.dtype, config.device, method=method, tp=parallel_for(rank, size))
     channel = StepChannel()
     pools = CachePools(*channel.receive(), device=config.device)
+    dist.barrier()
     with torch.inference_mode():
         while (message := channel.receive()) is not None:
             input_ids, batch, copies = message

@@ -3,6 +3,7 @@ TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked pr
 preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next), head counts that do not split are refused before any process starts, and
 no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
 
+import json
 import os
 import random
 import signal
@@ -201,6 +202,18 @@ def test_workers_end_with_the_interpreter(dense_ckpt):
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_generate_command_at_tp2(dense_ckpt):
+    def generate(*flags):
+        done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "generate", "--model", str(dense_ckpt),
+                               "--dtype", "float32", "--kernel-backend", "torch", "--json", "--max-tokens", "5",
+                               "--ignore-eos", "--temperature", "0", "3 14 15 92", *flags],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line)["token_ids"] for line in done.stdout.splitlines()]
+
+    assert generate("--tensor-parallel-size", "2") == generate()
 
 
 def test_split_takes_each_segment_s_part_and_pads():
