@@ -47,6 +47,7 @@ WORKER_IDLE_TIMEOUT = timedelta(days=365)
 STEP_MESSAGE_BYTES = 64 << 10
 _LENGTH_BYTES = 8
 SHUTDOWN_JOIN_S = 5.0
+DEATH_GRACE_S = 0.5
 
 
 def parallel_for(rank: int, size: int) -> TensorParallel:
@@ -177,6 +178,8 @@ class TensorParallelGroup:
     def dead_workers(self) -> RuntimeError | None:
         """The error that names the workers that have died (None while all live): what a
         failed collective reports in place of gloo's own."""
+        for worker in self.workers:            # a worker's sockets close a moment before it is gone
+            worker.join(DEATH_GRACE_S)
         dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
         return RuntimeError(f"tensor-parallel worker {', '.join(dead)} has died") if dead else None
 
