@@ -130,6 +130,10 @@ class TensorParallelGroup:
     (its model resolved to a path), which each worker loads its part of the model from."""
 
     def __init__(self, config, size: int):
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a torch.distributed group (another tensor-parallel "
+                               "engine not shut down?): one tensor-parallel engine per process")
+        self._closed = True                    # until the group is up: nothing for shutdown to end
         self.size = size
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -155,6 +159,11 @@ class TensorParallelGroup:
         self.channel = StepChannel()
         self.parallel = parallel_for(0, size)
         self._closed = False
+
+    def __del__(self) -> None:
+        # An engine dropped without shutdown(): its workers go with it (not only at exit).
+        if not self.__dict__.get("_closed", True):
+            self.shutdown()
 
     def start_cache(self, pools) -> None:
         """Each worker allocates a cache of `pools`' geometry for its heads; from now on the

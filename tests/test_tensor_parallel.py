@@ -171,6 +171,17 @@ def test_shutdown_ends_the_workers(dense_ckpt):
     assert not set(pids) & _children()
 
 
+def test_one_tensor_parallel_engine_per_process(dense_ckpt):
+    engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
+                                    tensor_parallel_size=2))
+    pids = [w.pid for w in engine.tp_group.workers]
+    with pytest.raises(RuntimeError, match="one tensor-parallel engine per process"):
+        LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
+                               tensor_parallel_size=2))
+    del engine                                       # dropped without shutdown: its workers end too
+    assert not set(pids) & _children()
+
+
 def test_a_dead_worker_fails_the_next_step_at_once(dense_ckpt):
     llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
