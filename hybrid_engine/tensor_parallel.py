@@ -27,6 +27,7 @@ import io
 import os
 import pickle
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -151,8 +152,7 @@ class TensorParallelGroup:
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+            self._join_group(port)
         except BaseException:
             self._stop_workers()
             raise
@@ -164,6 +164,34 @@ class TensorParallelGroup:
         # An engine dropped without shutdown(): its workers go with it (not only at exit).
         if not self.__dict__.get("_closed", True):
             self.shutdown()
+
+    def _join_group(self, port: int) -> None:
+        """The driver's init_process_group, in a thread of its own while this one watches the
+        workers: one that ends first (a script without the `__main__` guard, whose spawned
+        copy starts an engine of its own) fails the start-up at once rather than after the
+        rendezvous' timeout."""
+        outcome: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                        world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=join, name="hybrid-engine-tp-init", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            ended = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1)
+                     if w.exitcode is not None]
+            if ended and thread.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {', '.join(ended)} ended while starting (its error is "
+                                   "on stderr); a script that starts a tensor-parallel engine needs the "
+                                   "`if __name__ == \"__main__\":` guard, as the workers are spawned")
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def start_cache(self, pools) -> None:
         """Each worker allocates a cache of `pools`' geometry for its heads; from now on the

@@ -80,10 +80,11 @@ def _assert_same(tp1, tp2):
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
-    """Chunked prefill, n=2 (the fork's copies reach the workers) and a second round that hits the
-    prefix cache (its checkpoint copies too)."""
+    """Chunked prefill, n=2 (the fork's copies reach the workers), a seeded sampled request, and
+    a second round that hits the prefix cache (its checkpoint copies too)."""
     prompts = _prompts(vocab=256)
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True, logprobs=2, n=1 + (i == 2))
+    params = [SamplingParams(temperature=0.8 if i == 3 else 0.0, seed=7 if i == 3 else None, max_tokens=6 + i,
+                             ignore_eos=True, logprobs=2, n=1 + (i == 2))
               for i in range(len(prompts))]
     runs = []
     for size in (1, 2):
@@ -225,6 +226,17 @@ def test_generate_command_at_tp2(dense_ckpt):
         return [json.loads(line)["token_ids"] for line in done.stdout.splitlines()]
 
     assert generate("--tensor-parallel-size", "2") == generate()
+
+
+def test_a_script_without_the_main_guard_fails_at_once(dense_ckpt, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from hybrid_engine import LLM\n"
+                      f"LLM(model={str(dense_ckpt)!r}, kernel_backend='torch', tensor_parallel_size=2)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0 and time.monotonic() - start < 30
+    assert "needs the `if __name__ == \"__main__\":` guard" in done.stderr
 
 
 def test_split_takes_each_segment_s_part_and_pads():
