@@ -32,10 +32,11 @@ def dense_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_way_ckpt(tmp_path_factory):
     """4 GDN key heads, so that 4 ranks split them; 2 KV heads, replicated over pairs of ranks;
-    vocabulary 250, which 4 does not divide (lm_head's last part padded)."""
+    vocabulary 250, which 4 does not divide (lm_head's last part padded), tied to the embedding
+    (which each rank keeps whole)."""
     folder = tmp_path_factory.mktemp("tp_four")
-    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2, linear_num_key_heads=4, vocab_size=250),
-                    folder)
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2, linear_num_key_heads=4, vocab_size=250,
+                                  tie_word_embeddings=True), folder)
     return folder
 
 
@@ -101,6 +102,21 @@ def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
     _assert_same(runs[1][0], runs[1][1])
 
 
+def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
+    def sizes(size):
+        engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
+                                        max_num_seqs=4, tensor_parallel_size=size))
+        weights = sum(p.numel() for name, p in engine.model.named_parameters()
+                      if "embed_tokens" not in name and "norm" not in name)
+        spec = engine.cache.spec
+        engine.shutdown()
+        return weights, spec.bytes_per_block, spec.bytes_per_slot
+
+    whole, half = sizes(1), sizes(2)
+    assert half[0] * 2 == whole[0]          # every projection, conv tap, A_log and dt_bias split in two
+    assert (half[1] * 2, half[2] * 2) == whole[1:]
+
+
 def test_tp2_with_preemption(dense_ckpt):
     prompts = _prompts(n=8, lo=20, hi=90, vocab=256, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -119,12 +135,13 @@ def test_tp2_with_preemption(dense_ckpt):
     tight.shutdown()
 
 
-def test_tp4_with_replicated_kv_heads_and_padded_vocabulary(four_way_ckpt):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, backend):
     prompts = _prompts(n=3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     runs = []
     for size in (1, 4):
-        llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend=backend, tensor_parallel_size=size)
         runs.append(_generate(llm, prompts, params))
         if size == 4:
             spec = llm.engine.cache.spec
