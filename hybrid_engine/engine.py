@@ -37,8 +37,8 @@ from .request_group import AutomaticRequestIds, RequestGroup, check_caller_reque
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .step_inputs import StepInputBuilder
-from .tensor_parallel import TensorParallelGroup, TensorParallelSteps
 from .step_update import StepUpdater, request_output, take_text_delta
+from .tensor_parallel import TensorParallelGroup, TensorParallelSteps
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -95,6 +95,7 @@ class LLMEngine:
         if config.model is None:
             from .default_model import default_model_path
             config.model = str(default_model_path())
+        # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
         # Tensor parallelism: the workers start first and load their parts beside the driver's.
         self.tp_group = None
@@ -109,7 +110,6 @@ class LLMEngine:
 
     def _wire(self, config: EngineConfig, k: int) -> None:
         tp = self.tp_group.parallel if self.tp_group is not None else SINGLE
-        # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
         # The kernel backend (kernels/backends.py), chosen once: every step's ForwardBatch carries
         # it, and its linear method gives the projections their weight layouts as they load.
         self.kernels = make_backend(config.kernel_backend, config.device)
@@ -277,8 +277,8 @@ class LLMEngine:
         return params
 
     def shutdown(self) -> None:
-        """Ends the tensor-parallel workers, if any (nothing else holds a process or a thread);
-        the engine takes no step after it."""
+        """Ends the tensor-parallel workers, if any; the engine takes no step after it (the
+        engine loop calls it as its thread ends)."""
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
