@@ -26,6 +26,7 @@ import dataclasses
 import io
 import os
 import pickle
+import signal
 import socket
 import threading
 from datetime import timedelta
@@ -245,6 +246,9 @@ class TensorParallelGroup:
 def _worker_main(rank: int, size: int, port: int, config) -> None:
     """A worker: its part of the model and of the cache, then the forward of every step the
     driver sends, until it sends None."""
+    # Ctrl-C at a terminal reaches the whole process group: the driver alone handles it, and
+    # ends its workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=WORKER_IDLE_TIMEOUT)

@@ -245,6 +245,29 @@ def test_generate_command_at_tp2(dense_ckpt):
     assert generate("--tensor-parallel-size", "2") == generate()
 
 
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_workers_end_when_the_driver_is_killed_or_interrupted(dense_ckpt, how):
+    script = textwrap.dedent(f"""
+        import time
+        from hybrid_engine import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(dense_ckpt)!r}, dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+            print(*[w.pid for w in llm.engine.tp_group.workers], flush=True)
+            time.sleep(60)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pids = [int(p) for p in driver.stdout.readline().split()]
+    assert pids, driver.stderr.read()
+    driver.send_signal(how)
+    driver.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
 def test_a_script_without_the_main_guard_fails_at_once(dense_ckpt, tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(f"from hybrid_engine import LLM\n"
