@@ -272,8 +272,6 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
-        if self.tp_group is not None and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet")
         return params
 
     def shutdown(self) -> None:

@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 from hybrid_engine.models.parallel import TensorParallel
 
 from .model_runner import EagerSteps
+from .prompt_logprobs import row_pieces
 from .step_inputs import StepInputs
 
 # How long a collective waits for the other ranks before it fails the step (a hung worker). A
@@ -209,11 +210,13 @@ class TensorParallelGroup:
                 raise
             raise dead from e
 
-    def send_step(self, input_ids: torch.Tensor, batch, pools) -> None:
+    def send_step(self, inputs: StepInputs, pools) -> None:
         """The step's message: its input ids, its ForwardBatch (the workers use their own kernel
-        backend) and the cache copies since the last step."""
+        backend), the cache copies since the last step, and the rows that prompt_logprobs
+        scores after the forward (their lm_head products gather too)."""
         copies, pools.copies = pools.copies, []
-        self.channel.send((input_ids, dataclasses.replace(batch, kernels=None), copies))
+        prompt_rows = [(span.first_row, span.num_rows) for span in inputs.prompt_rows]
+        self.channel.send((inputs.input_ids, dataclasses.replace(inputs.batch, kernels=None), copies, prompt_rows))
 
     def dead_workers(self) -> RuntimeError | None:
         """The error that names the workers that have died (None while all live): what a
@@ -273,10 +276,12 @@ def _serve_steps(rank: int, size: int, config) -> None:
     dist.barrier()
     with torch.inference_mode():
         while (message := channel.receive()) is not None:
-            input_ids, batch, copies = message
+            input_ids, batch, copies, prompt_rows = message
             for name, args in copies:
                 getattr(pools, name)(*args)
-            model.forward_step(input_ids, dataclasses.replace(batch, kernels=kernels), pools)
+            hidden, _ = model.forward_step(input_ids, dataclasses.replace(batch, kernels=kernels), pools)
+            for index in row_pieces(prompt_rows, model.cfg.vocab_size, hidden.device):
+                model.compute_logits(hidden[index])
 
 
 class TensorParallelSteps(EagerSteps):
@@ -289,7 +294,7 @@ class TensorParallelSteps(EagerSteps):
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            self.group.send_step(inputs.input_ids, inputs.batch, self.caches)
+            self.group.send_step(inputs, self.caches)
             return super().forward(inputs)
         except RuntimeError as e:
             dead = self.group.dead_workers()

@@ -4,6 +4,7 @@ preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next), head counts tha
 no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
 
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -40,6 +41,19 @@ def four_way_ckpt(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def _no_group_left_behind():
+    """A test that fails before its shutdown() leaves neither its workers nor this process's
+    group to the next test."""
+    yield
+    for child in multiprocessing.active_children():
+        if child.name.startswith("hybrid-engine-tp"):
+            child.kill()
+            child.join()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _prompts(n=6, lo=1, hi=70, vocab=250, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -67,7 +81,8 @@ def _worker_pids(llm: LLM) -> list[int]:
 
 def _generate(llm: LLM, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] + [((), (o.prompt_logprobs or [None])[1:])]
+            for o in outs]
 
 
 def _assert_same(tp1, tp2):
@@ -81,11 +96,11 @@ def _assert_same(tp1, tp2):
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
-    """Chunked prefill, n=2 (the fork's copies reach the workers), a seeded sampled request, and
-    a second round that hits the prefix cache (its checkpoint copies too)."""
+    """Chunked prefill, n=2 (the fork's copies reach the workers), a seeded sampled request,
+    prompt_logprobs, and a second round that hits the prefix cache (its checkpoint copies too)."""
     prompts = _prompts(vocab=256)
     params = [SamplingParams(temperature=0.8 if i == 3 else 0.0, seed=7 if i == 3 else None, max_tokens=6 + i,
-                             ignore_eos=True, logprobs=2, n=1 + (i == 2))
+                             ignore_eos=True, logprobs=2, n=1 + (i == 2), prompt_logprobs=2 if i in (0, 4) else None)
               for i in range(len(prompts))]
     runs = []
     for size in (1, 2):
