@@ -191,6 +191,9 @@ def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp
     with pytest.raises(ValueError, match=r"does not split moe_intermediate_size \(6\) evenly; "
                                          r"sizes that work for this model: 1, 2$"):
         LLMEngine(EngineConfig(model=str(moe), dtype="float32", tensor_parallel_size=4))
+    for bad in (0, True, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+            EngineConfig(model=str(dense_ckpt), tensor_parallel_size=bad).validate()
     with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), quantization yet"):
         EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, quantization="int8",
                      speculative_config={"num_speculative_tokens": 1}).validate()
