@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from hybrid_engine.models import HybridForCausalLM, ModelConfig
+from hybrid_engine.models.parallel import SINGLE, TensorParallel
 from hybrid_engine.state_cache import CacheSpec, CheckpointPool, HybridCacheManager
 
 from .config import EngineConfig
@@ -22,14 +23,17 @@ MAX_DERIVED_NUM_SEQS = 256
 
 
 def cache_spec_for(cfg: ModelConfig, model: HybridForCausalLM, block_size: int,
-                   checkpoint_hidden: bool = False) -> CacheSpec:
-    """checkpoint_hidden: prefix checkpoints keep a hidden state, for the MTP layer."""
+                   checkpoint_hidden: bool = False, tp: TensorParallel = SINGLE) -> CacheSpec:
+    """checkpoint_hidden: prefix checkpoints keep a hidden state, for the MTP layer. tp: a
+    tensor-parallel rank's cache holds its own heads only (the byte budget is per rank)."""
     dtype = model.embed_tokens.weight.dtype
+    hk, hv = tp.heads(cfg.linear_num_key_heads), tp.heads(cfg.linear_num_value_heads)
     return CacheSpec(
-        num_attention_layers=model.num_kv_layers, num_kv_heads=cfg.num_key_value_heads,
+        num_attention_layers=model.num_kv_layers, num_kv_heads=tp.heads(cfg.num_key_value_heads),
         head_dim=cfg.head_dim, block_size=block_size, kv_dtype=dtype,
-        num_gdn_layers=len(cfg.linear_attention_layers), conv_dim=cfg.conv_dim,
-        conv_kernel=cfg.linear_conv_kernel_dim, num_v_heads=cfg.linear_num_value_heads,
+        num_gdn_layers=len(cfg.linear_attention_layers),
+        conv_dim=2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim,
+        conv_kernel=cfg.linear_conv_kernel_dim, num_v_heads=hv,
         key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
         conv_dtype=dtype, state_dtype=torch.float32,
         hidden_size=cfg.hidden_size if checkpoint_hidden else 0,

@@ -51,6 +51,9 @@ class EngineConfig:
     prefix_checkpoints: int | None = None
     # Also checkpoint every this many tokens of a prefill (a multiple of block_size; None: no).
     prefix_checkpoint_interval: int | None = None
+    # Tensor parallelism (hybrid_engine/tensor_parallel.py): the engine's process and N-1 workers it
+    # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights, no MTP yet.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -98,6 +101,22 @@ class EngineConfig:
                              f"({self.block_size}) or None, got {every!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not _is_positive_int(size):
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+        if size == 1:
+            return
+        unsupported = [what for what, used in (
+            ("device other than cpu", torch.device(self.device).type != "cpu"),
+            ("speculative_config (MTP)", self.speculative_config is not None),
+            ("quantization", self.quantization is not None),
+            ("enable_torch_compile", self.enable_torch_compile),
+            ("GGUF files", str(self.model or "").endswith(".gguf"))) if used]
+        if unsupported:
+            raise ValueError(f"tensor_parallel_size > 1 does not support {', '.join(unsupported)} yet")
 
     def _validate_device(self) -> None:
         if not isinstance(self.device, (str, torch.device)):

@@ -16,7 +16,8 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import torch
 
 from hybrid_engine.kernels import make_backend
-from hybrid_engine.models import load_model
+from hybrid_engine.models import load_config, load_model
+from hybrid_engine.models.parallel import SINGLE, check_tensor_parallel
 
 from .cache_sizing import DEFAULT_KV_TOKENS_PER_SEQ, build_cache, cache_spec_for
 from .config import EngineConfig
@@ -37,6 +38,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .step_inputs import StepInputBuilder
 from .step_update import StepUpdater, request_output, take_text_delta
+from .tensor_parallel import TensorParallelGroup, TensorParallelSteps
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -93,8 +95,21 @@ class LLMEngine:
         if config.model is None:
             from .default_model import default_model_path
             config.model = str(default_model_path())
-        self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
         # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
+        self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
+        # Tensor parallelism: the workers start first and load their parts beside the driver's.
+        self.tp_group = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(load_config(config.model), config.tensor_parallel_size)
+            self.tp_group = TensorParallelGroup(config, config.tensor_parallel_size)
+        try:
+            self._wire(config, k)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wire(self, config: EngineConfig, k: int) -> None:
+        tp = self.tp_group.parallel if self.tp_group is not None else SINGLE
         # The kernel backend (kernels/backends.py), chosen once: every step's ForwardBatch carries
         # it, and its linear method gives the projections their weight layouts as they load.
         self.kernels = make_backend(config.kernel_backend, config.device)
@@ -105,14 +120,15 @@ class LLMEngine:
         quantized = quantized_layers(config, method, self.kernels, gguf_file)
         self.model, self.model_config = load_model(
             config.model, config.dtype, config.device, with_mtp=k > 0, method=method, methods=quantized,
-            progress=quantized.progress_bar if quantized else None, source=gguf_file)
+            progress=quantized.progress_bar if quantized else None, source=gguf_file, tp=tp)
         if quantized:
             quantized.report()
         self.tokenizer = gguf_file.tokenizer() if gguf_file is not None else load_tokenizer(config.model)
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         prefix_on = config.enable_prefix_caching
-        spec = cache_spec_for(self.model_config, self.model, config.block_size, checkpoint_hidden=prefix_on and k > 0)
+        spec = cache_spec_for(self.model_config, self.model, config.block_size, checkpoint_hidden=prefix_on and k > 0,
+                              tp=tp)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         # Refused as vLLM does, unless told otherwise (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
         if (max_len > self.model_config.max_position_embeddings
@@ -124,6 +140,8 @@ class LLMEngine:
         self.tokens_per_seq = min(max_len, DEFAULT_KV_TOKENS_PER_SEQ)
         self.max_num_seqs_derived = config.max_num_seqs is None
         self.cache = build_cache(config, spec, k, self.tokens_per_seq)
+        if self.tp_group is not None:
+            self.tp_group.start_cache(self.cache.pools)
         self.prefix = (PrefixCaching(self.cache, config.block_size, config.prefix_checkpoint_interval)
                        if prefix_on else None)
         # A request can never hold more tokens than the whole KV pool, including the 2k
@@ -200,6 +218,8 @@ class LLMEngine:
         backend (the torch ops read lengths back to the host) and a dense model (MoE routing
         reads expert counts back)); else torch.compile where asked; else eagerly."""
         cfg, k = self.config, self.num_speculative_tokens
+        if self.tp_group is not None:
+            return TensorParallelSteps(self.model, self.cache.pools, self.tp_group)
         if (not cfg.enforce_eager and torch.device(cfg.device).type == "cuda" and graphs_supported(self.model)
                 and self.kernels.name == "triton"):
             graphs = CudaGraphSteps(self.model, self.cache.pools, self.builder, [1, 1 + k] if k else [1],
@@ -253,6 +273,12 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
         return params
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers, if any; the engine takes no step after it (the
+        engine loop calls it as its thread ends)."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; a bad one raises ValueError and changes nothing.

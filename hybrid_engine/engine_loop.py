@@ -213,6 +213,8 @@ class EngineLoop:
             self._serve()
         except BaseException as e:   # the engine cannot go on, or a fault of the loop itself
             self._die(e)
+        finally:
+            self._engine.shutdown()  # its worker processes, where it has any
 
     def _serve(self) -> None:
         busy = False

@@ -32,12 +32,14 @@ class LLM:
                  enable_prefix_caching: bool = True, prefix_checkpoints: int | None = None,
                  prefix_checkpoint_interval: int | None = None, generation_config: str = "auto",
                  kernel_backend: str = "auto", quantization: str | None = None,
-                 quantization_group_size: int | None = None):
+                 quantization_group_size: int | None = None, tensor_parallel_size: int = 1):
         """generation_config: "auto" takes the default sampling parameters (used when a call
         gives none) from the model folder's generation_config.json; "vllm" ignores that file
         (vLLM's flag and values). quantization: "int8" or "int4" quantizes a float checkpoint's
         projections at load, in groups of quantization_group_size (default 32) input columns
-        (hybrid_engine/quantization.py says which projections)."""
+        (hybrid_engine/quantization.py says which projections). tensor_parallel_size: N > 1
+        runs the model over N processes on this machine, this one and N-1 it starts
+        (hybrid_engine/tensor_parallel.py); shutdown() ends them."""
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         config = EngineConfig(
@@ -48,7 +50,8 @@ class LLM:
             enable_torch_compile=enable_torch_compile, bf16_few_rows_copy=bf16_few_rows_copy,
             enable_prefix_caching=enable_prefix_caching, prefix_checkpoints=prefix_checkpoints,
             prefix_checkpoint_interval=prefix_checkpoint_interval, kernel_backend=kernel_backend,
-            quantization=quantization, quantization_group_size=quantization_group_size)
+            quantization=quantization, quantization_group_size=quantization_group_size,
+            tensor_parallel_size=tensor_parallel_size)
         self.loop = EngineLoop(lambda: LLMEngine(config))   # built on the loop thread (engine_loop.py)
         self._generation_defaults = (load_generation_defaults(self.engine.config.model)
                                      if generation_config == "auto" else {})
@@ -75,7 +78,8 @@ class LLM:
         self.loop.run_on_loop(lambda engine: engine.reset_prefix_cache())
 
     def shutdown(self) -> None:
-        """Aborts whatever is still running and stops the engine loop's thread."""
+        """Aborts whatever is still running and stops the engine loop's thread (and with it the
+        tensor-parallel workers, if any)."""
         self.loop.shutdown()
 
     def __del__(self) -> None:

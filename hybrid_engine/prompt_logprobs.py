@@ -29,21 +29,29 @@ def score_prompt_rows(spans: list[PromptRows], hidden: torch.Tensor,
     """-> request id -> the {token: logprob} entries of the prompt tokens its rows score, in
     order. hidden: the step's final-normed hidden rows [T, H]; logits_of: hidden rows ->
     float32 logits (ModelRunner.logits)."""
-    rows, targets, counts = [], [], []
+    targets, counts = [], []
     for span in spans:
         req = span.segment.request
-        rows.extend(range(span.first_row, span.first_row + span.num_rows))
         targets.extend(req.prompt_token_ids[span.first_token:span.first_token + span.num_rows])
         counts.extend([req.params.prompt_logprobs] * span.num_rows)
-    index = torch.tensor(rows, device=hidden.device)
     chosen = torch.tensor(targets, device=hidden.device)
-    piece = max(1, _PIECE_VALUES // vocab_size)
-    entries = []
-    for at in range(0, len(rows), piece):
-        logprobs = logits_of(hidden[index[at:at + piece]]).log_softmax(dim=-1)
-        entries.extend(top_logprobs(logprobs, chosen[at:at + piece], counts[at:at + piece]))
+    entries, at = [], 0
+    for index in row_pieces([(span.first_row, span.num_rows) for span in spans], vocab_size, hidden.device):
+        n = index.numel()
+        logprobs = logits_of(hidden[index]).log_softmax(dim=-1)
+        entries.extend(top_logprobs(logprobs, chosen[at:at + n], counts[at:at + n]))
+        at += n
     scored, at = {}, 0
     for span in spans:
         scored[span.segment.request.request_id] = entries[at:at + span.num_rows]
         at += span.num_rows
     return scored
+
+
+def row_pieces(spans: list[tuple[int, int]], vocab_size: int, device) -> list[torch.Tensor]:
+    """The hidden rows of (first row, rows) spans, in the pieces lm_head scores them in: what a
+    tensor-parallel worker's lm_head repeats (hybrid_engine/tensor_parallel.py)."""
+    index = torch.tensor([r for first, n in spans for r in range(first, first + n)], dtype=torch.int64,
+                         device=device)
+    piece = max(1, _PIECE_VALUES // vocab_size)
+    return list(index.split(piece)) if index.numel() else []     # (an empty tensor splits into one piece)

@@ -10,21 +10,27 @@ from .config import ModelConfig
 from hybrid_engine.kernels.linear import LinearMethod
 
 from .linear import Linear
+from .parallel import SINGLE, TensorParallel
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+    """tp: this rank's heads (models/parallel.py); o_proj sums the ranks' outputs."""
+
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = tp.heads(cfg.num_attention_heads)
+        self.num_kv_heads = tp.heads(cfg.num_key_value_heads)
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
         h, hd = cfg.hidden_size, cfg.head_dim
         # q_proj is doubled: per head, hd query rows then hd output-gate rows (interleaved per head).
         self.qkv_proj = Linear(h, shards={"q_proj": self.num_heads * hd * 2, "k_proj": self.num_kv_heads * hd,
-                                          "v_proj": self.num_kv_heads * hd}, method=method)
-        self.o_proj = Linear(self.num_heads * hd, h, method=method)
+                                          "v_proj": self.num_kv_heads * hd}, method=method,
+                               splits=_head_splits(cfg, tp) if tp.size > 1 else None)
+        self.o_proj = Linear(self.num_heads * hd, h, method=method,
+                             splits={None: tp.by_heads(cfg.num_attention_heads, hd, dim=1)} if tp.size > 1 else None,
+                             combine=tp.all_reduce)
         self.q_norm = _NormWeight(hd)
         self.k_norm = _NormWeight(hd)
 
@@ -45,6 +51,12 @@ class GatedAttention(nn.Module):
         # The gate is per head and per dim, in the same (head, dim) order as the output.
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(t, -1))
+
+
+def _head_splits(cfg: ModelConfig, tp: TensorParallel) -> dict:
+    hd = cfg.head_dim
+    return {"q_proj": tp.by_heads(cfg.num_attention_heads, 2 * hd), "k_proj": tp.by_heads(cfg.num_key_value_heads, hd),
+            "v_proj": tp.by_heads(cfg.num_key_value_heads, hd)}
 
 
 class _NormWeight(nn.Module):

@@ -11,6 +11,7 @@ from .attention import GatedAttention, _NormWeight
 from .batch import ForwardBatch, LayerCaches
 from .config import FULL, LINEAR, ModelConfig
 from .gdn import GatedDeltaNet
+from .parallel import SINGLE, TensorParallel
 
 
 class DecoderLayer(nn.Module):
@@ -21,7 +22,7 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_type: str, cache_index: int, mlp: nn.Module,
-                 method: LinearMethod | None = None):
+                 method: LinearMethod | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_type = layer_type
         self.cache_index = cache_index
@@ -29,9 +30,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _NormWeight(cfg.hidden_size)
         self.post_attention_layernorm = _NormWeight(cfg.hidden_size)
         if layer_type == FULL:
-            self.self_attn = GatedAttention(cfg, method)
+            self.self_attn = GatedAttention(cfg, method, tp)
         elif layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, method)
+            self.linear_attn = GatedDeltaNet(cfg, method, tp)
         else:
             raise ValueError(f"unknown layer type {layer_type!r}")
         self.mlp = mlp

@@ -19,26 +19,43 @@ from .config import ModelConfig
 from hybrid_engine.kernels.linear import LinearMethod
 
 from .linear import Linear
+from .parallel import SINGLE, TensorParallel, shard_parameter
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+    """tp: this rank's key and value heads (models/parallel.py): q, k, v, z, b, a, the conv taps
+    of each of q, k, v, A_log and dt_bias split by heads, the gated norm per head as it is;
+    out_proj sums the ranks' outputs."""
+
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         h = cfg.hidden_size
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.hk, self.hv = tp.heads(cfg.linear_num_key_heads), tp.heads(cfg.linear_num_value_heads)
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = cfg.key_dim, cfg.value_dim, cfg.conv_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
+        sharded = tp.size > 1
+        qkv = tp.by_segments((cfg.key_dim, cfg.key_dim, cfg.value_dim))
+        heads = tp.by_segments((cfg.linear_num_value_heads,))
         # Qwen3.5 layout; the loader converts Qwen3-Next's grouped in_proj_qkvz / in_proj_ba to it.
         # in_proj_qkv's rows [q | k | v], head-major; z: the output gate; b, a: per value head
         self.in_proj = Linear(h, shards={"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
-                                         "in_proj_b": self.hv, "in_proj_a": self.hv}, method=method)
+                                         "in_proj_b": self.hv, "in_proj_a": self.hv}, method=method,
+                              splits={"in_proj_qkv": qkv, "in_proj_z": tp.by_segments((cfg.value_dim,)),
+                                      "in_proj_b": heads, "in_proj_a": heads} if sharded else None)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
+        if sharded:
+            shard_parameter(self.conv1d.weight, qkv)
+            shard_parameter(self.dt_bias, heads)
+            shard_parameter(self.A_log, heads)
         self.norm = _PlainNormWeight(self.dv)
-        self.out_proj = Linear(self.value_dim, h, method=method)
+        self.out_proj = Linear(self.value_dim, h, method=method,
+                               splits={None: tp.by_segments((cfg.value_dim,), dim=1)} if sharded else None,
+                               combine=tp.all_reduce)
         self.process_weights_after_loading()
 
     def process_weights_after_loading(self) -> None:

@@ -21,6 +21,7 @@ from hybrid_engine.kernels.linear import LinearMethod
 from .config import ConfigError, ModelConfig, load_config
 from .linear import Linear
 from .mlp import Experts
+from .parallel import SINGLE, TensorParallel
 from .loader import WeightStream, load_weights, resolve_dtype
 from .qwen3_5 import HybridForCausalLM
 
@@ -55,8 +56,11 @@ def _checkpoint_tensors(model: HybridForCausalLM) -> dict[str, tuple[tuple[int, 
                 tensors[ckpt_name] = (shape, lambda t, n=ckpt_name, m=module: m.weight_loader(n, t), module)
         else:
             for pname, p in module.named_parameters(recurse=False):
+                split = getattr(p, "tp_split", None)        # a tensor-parallel rank's part (models/parallel.py)
+                shape = tuple(p.shape) if split is None else split.full_shape(tuple(p.shape))
                 tensors[f"{name}.{pname}" if name else pname] = (
-                    tuple(p.shape), lambda t, m=module, a=pname: setattr(m, a, nn.Parameter(t, requires_grad=False)),
+                    shape, lambda t, m=module, a=pname, s=split: setattr(
+                        m, a, nn.Parameter(t if s is None else s.take(t), requires_grad=False)),
                     module)
     return tensors
 
@@ -65,7 +69,8 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
                with_mtp: bool = False, method: LinearMethod | None = None,
                methods: Callable[[str, Linear], LinearMethod] | None = None,
                progress: Callable | None = None,
-               source: CheckpointSource | None = None) -> tuple[HybridForCausalLM, ModelConfig]:
+               source: CheckpointSource | None = None,
+               tp: TensorParallel = SINGLE) -> tuple[HybridForCausalLM, ModelConfig]:
     """with_mtp: keep the checkpoint's MTP head (for speculative decoding). Its `mtp.*` tensors
     are read and checked either way (unless config.json's mtp_num_hidden_layers is 0: no head);
     without it they are dropped after the check, so no MTP weights stay resident and the model
@@ -78,7 +83,8 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     its last tensor has arrived, so the float model never exists whole: loading holds the
     processed layers, the one being filled and one tensor read (progress: wraps the stream of
     tensors, a progress bar). source: where the config and weights come from instead of
-    `folder`'s config.json and safetensors."""
+    `folder`'s config.json and safetensors. tp: this rank's part of a tensor-parallel model
+    (models/parallel.py): each sharded tensor is read whole and sliced as it arrives."""
     cfg = source.config if source is not None else load_config(folder)
     if with_mtp and cfg.mtp_num_hidden_layers == 0:
         where = folder if source is not None else Path(folder) / "config.json"
@@ -88,7 +94,7 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     # Built on the meta device: the loader's tensors are assigned, nothing is initialised twice.
     # mtp_num_hidden_layers 0 says there is no head: any mtp.* tensors are then left unread.
     with torch.device("meta"):
-        model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method)
+        model = HybridForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers != 0, method=method, tp=tp)
         if methods is not None:
             # experts first: those stored quantized add their per-expert projection layers, which
             # are then chosen for like any other (a checkpoint may quantize some projections only)

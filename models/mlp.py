@@ -10,19 +10,39 @@ from .config import ModelConfig
 from hybrid_engine.kernels.linear import LinearMethod
 
 from .linear import Linear
+from .parallel import SINGLE, TensorParallel, shard_parameter
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, method: LinearMethod | None = None):
+    """tp: gate and up rows split over the ranks, down_proj's matching columns, its partial
+    outputs summed (models/parallel.py)."""
+
+    def __init__(self, hidden: int, intermediate: int, method: LinearMethod | None = None,
+                 tp: TensorParallel = SINGLE, partial: bool = False):
+        """partial: the ranks' outputs are left unsummed, for the caller to sum with more (the
+        MoE's shared expert)."""
         super().__init__()
-        self.gate_up_proj = Linear(hidden, shards={"gate_proj": intermediate, "up_proj": intermediate}, method=method)
-        self.down_proj = Linear(intermediate, hidden, method=method)
+        split = tp.by_segments((intermediate,))
+        local = split.local_size()
+        self.gate_up_proj = Linear(hidden, shards={"gate_proj": local, "up_proj": local}, method=method,
+                                   splits={"gate_proj": split, "up_proj": split} if tp.size > 1 else None)
+        self.down_proj = Linear(local, hidden, method=method,
+                                splits={None: tp.by_segments((intermediate,), dim=1)} if tp.size > 1 else None,
+                                combine=None if partial else tp.all_reduce)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         # down(silu(gate) * up): one fused call where the method has one for both layouts,
         # else the products and the backend's silu_mul
         gate_up = self.gate_up_proj
         return gate_up.method.apply_swiglu(gate_up, self.down_proj, x, ops.silu_mul)
+
+
+class ParallelSwiGLU(SwiGLU):
+    """A tensor-parallel rank's SwiGLU: apply_swiglu runs down_proj's product past the layer's
+    own call, so its combine (the all-reduce) follows here."""
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj.combine(super().forward(x, ops))
 
 
 class Experts(nn.Module):
@@ -38,11 +58,18 @@ class Experts(nn.Module):
     expert's stored tensors); any other method gets them after loading, from the stacked float
     weights (online quantization)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel = SINGLE):
+        """tp: each expert's gate and up rows and down columns split over the ranks (their
+        outputs partial sums, for the MoE block to sum)."""
         super().__init__()
+        full = intermediate
+        intermediate = tp.by_segments((full,)).local_size()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        if tp.size > 1:
+            shard_parameter(self.gate_up_proj, tp.by_segments((full, full), dim=1))
+            shard_parameter(self.down_proj, tp.by_segments((full,), dim=2))
         self.method: LinearMethod | None = None
         self.per_expert: list[SwiGLU] | None = None
 
@@ -104,15 +131,16 @@ class SparseMoE(nn.Module):
     """The router (`gate`) and `shared_expert_gate` stay plain nn.Linear: tiny, and kept in float
     by every quantized format."""
 
-    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None):
+    def __init__(self, cfg: ModelConfig, method: LinearMethod | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         h = cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(h, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size)
-        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size, method)
+        self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, tp)
+        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size, method, tp, partial=True)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        self.all_reduce = tp.all_reduce
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         # Softmax over ALL experts in fp32, then top-k, then (optionally) renormalise.
@@ -124,7 +152,17 @@ class SparseMoE(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
 
 
-def make_mlp(cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = None) -> nn.Module:
+class ParallelSparseMoE(SparseMoE):
+    """A tensor-parallel rank's MoE block: the router and shared_expert_gate whole (a per-token
+    scale, so it applies to each rank's partial sum alike), each expert and the shared expert
+    split by their intermediate rows, the block's output summed across ranks once."""
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.all_reduce(super().forward(x, ops))
+
+
+def make_mlp(cfg: ModelConfig, layer_idx: int, method: LinearMethod | None = None,
+             tp: TensorParallel = SINGLE) -> nn.Module:
     if cfg.layer_is_moe(layer_idx):
-        return SparseMoE(cfg, method)
-    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, method)
+        return (SparseMoE if tp.size == 1 else ParallelSparseMoE)(cfg, method, tp)
+    return (SwiGLU if tp.size == 1 else ParallelSwiGLU)(cfg.hidden_size, cfg.intermediate_size, method, tp)

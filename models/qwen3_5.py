@@ -19,17 +19,24 @@ from .decoder import DecoderLayer
 from .linear import Linear
 from .mlp import make_mlp
 from .mtp import MTPHead
+from .parallel import SINGLE, TensorParallel
 
 
 class HybridForCausalLM(nn.Module):
     """method: the linear method of every projection (kernels/linear/reference.py; None: the plain one),
     which owns their weights' layouts. With tied embeddings lm_head is loaded with the embedding
     table (models/load.py); where its method then holds the values in a layout of its own, the
-    plain table is freed and the embedding reads its rows from lm_head."""
+    plain table is freed and the embedding reads its rows from lm_head.
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, method: LinearMethod | None = None):
+    tp: this rank's part of a tensor-parallel model (models/parallel.py): its heads and MLP rows
+    in each layer, 1/N of lm_head's vocabulary rows (the logits gathered on rank 0), the
+    embedding whole."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, method: LinearMethod | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         # Left uninitialised like every weight here (the loader assigns them): nn.Embedding's own
         # init of a meta table runs through torch's python decompositions, which import dynamo
         # (about 70 MiB resident that an eager engine never uses).
@@ -37,11 +44,13 @@ class HybridForCausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layers, counts = [], {"full_attention": 0, "linear_attention": 0}
         for i, kind in enumerate(cfg.layer_types):
-            layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i, method), method))
+            layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i, method, tp), method, tp))
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = _NormWeight(cfg.hidden_size)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=method)
+        vocab = tp.by_segments((cfg.vocab_size,))
+        self.lm_head = Linear(cfg.hidden_size, vocab.local_size(), method=method,
+                              splits={None: vocab} if tp.size > 1 else None, combine=_gathered_logits(tp, cfg.vocab_size))
         # The MTP layer's KV pool comes right after the main model's attention pools.
         self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL], method=method) if with_mtp else None
 
@@ -102,10 +111,18 @@ class HybridForCausalLM(nn.Module):
         quantized model beside the float table, the largest tensor of a small model."""
         self.lm_head.weight_loader("lm_head.weight", self.embed_tokens.weight)
         self.lm_head.process_weights_after_loading()
-        if self.lm_head.method.holds_weight_elsewhere(self.lm_head):
+        if self.lm_head.method.holds_weight_elsewhere(self.lm_head) and not self.lm_head.splits:
             table = self.embed_tokens.weight
             self.embed_tokens.weight = nn.Parameter(torch.empty(table.shape, dtype=table.dtype, device="meta"),
                                                     requires_grad=False)
+
+
+def _gathered_logits(tp: TensorParallel, vocab_size: int):
+    """lm_head's combine under tensor parallelism: the ranks' vocabulary parts gathered, less
+    the last part's padding rows."""
+    if tp.gather_logits is None:
+        return None
+    return lambda part: tp.gather_logits(part)[..., :vocab_size]
 
 
 def _unpin_shared_storages(model: nn.Module) -> None:

@@ -26,6 +26,11 @@ from .spec import CacheSpec
 class CachePools:
     def __init__(self, spec: CacheSpec, num_blocks: int, num_slots: int, num_checkpoints: int,
                  device: str | torch.device = "cpu"):
+        self.spec, self.num_blocks, self.num_slots, self.num_checkpoints = spec, num_blocks, num_slots, num_checkpoints
+        # The copies made in this memory since the caller last took them, (method name, args)
+        # each, where other processes hold the same geometry for other heads and repeat them
+        # (tensor parallelism: hybrid_engine/tensor_parallel.py); None: nobody does.
+        self.copies: list[tuple[str, tuple]] | None = None
         self.kv_caches = [
             torch.zeros((num_blocks, *spec.kv_block_shape), dtype=spec.kv_dtype, device=device)
             for _ in range(spec.num_attention_layers)
@@ -40,8 +45,14 @@ class CachePools:
         # the target's hidden state at each checkpoint's last position (for the MTP layer's KV)
         self.checkpoint_hidden = torch.zeros((num_checkpoints, spec.hidden_size), dtype=spec.kv_dtype, device=device)
 
+    def geometry(self) -> tuple[CacheSpec, int, int, int]:
+        """What a CachePools of the same layout is made from (its spec, blocks, slots, checkpoints)."""
+        return self.spec, self.num_blocks, self.num_slots, self.num_checkpoints
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """KV blocks src[i] -> dst[i] in every attention layer."""
+        if self.copies is not None:
+            self.copies.append(("copy_blocks", (src, dst)))
         device = self.kv_caches[0].device
         old, new = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         for kv in self.kv_caches:
@@ -49,10 +60,14 @@ class CachePools:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """A GDN state (conv window and recurrent state of every layer) from slot src to dst."""
+        if self.copies is not None:
+            self.copies.append(("copy_slot", (src, dst)))
         for layers in (self.conv_layers, self.recurrent_layers):
             layers.select(1, dst).copy_(layers.select(1, src))
 
     def save_checkpoint(self, slot: int, entry: int, hidden: torch.Tensor | None) -> None:
+        if self.copies is not None:
+            self.copies.append(("save_checkpoint", (slot, entry, None)))   # the hidden state: rank 0's alone
         self.checkpoint_conv_layers.select(1, entry).copy_(self.conv_layers.select(1, slot))
         self.checkpoint_recurrent_layers.select(1, entry).copy_(self.recurrent_layers.select(1, slot))
         if hidden is not None:
@@ -65,6 +80,8 @@ class CachePools:
             self.checkpoint_hidden[entry].copy_(hidden)
 
     def load_checkpoint(self, entry: int, slot: int) -> None:
+        if self.copies is not None:
+            self.copies.append(("load_checkpoint", (entry, slot)))
         self.conv_layers.select(1, slot).copy_(self.checkpoint_conv_layers.select(1, entry))
         self.recurrent_layers.select(1, slot).copy_(self.checkpoint_recurrent_layers.select(1, entry))
 

@@ -100,6 +100,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, dtype_default: str | N
                    help="quantize a float checkpoint's projections at load (weights only; default: none)")
     g.add_argument("--quantization-group-size", type=int, default=None, metavar="N",
                    help="input columns per quantization scale (default: 32)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="run the model over N processes on this machine, each holding 1/N of its heads "
+                        "(CPU, gloo; default: 1)")
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +150,8 @@ def engine_arguments(args, num_speculative_tokens: int = 0, dtype: str | None = 
                 enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                 kernel_backend=getattr(args, "kernel_backend", "auto"),
                 quantization=getattr(args, "quantization", None),
-                quantization_group_size=getattr(args, "quantization_group_size", None))
+                quantization_group_size=getattr(args, "quantization_group_size", None),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def read_prompts(args, stdin_fallback: bool = True, line_fields: tuple[str, ...] = ()

@@ -1,0 +1,303 @@
+"""Tensor parallelism over processes on one machine, on torch.distributed (gloo).
+
+The engine's process is rank 0, the driver: it alone schedules, builds each step's inputs,
+samples and updates requests. At start-up it spawns N-1 worker processes (torch.multiprocessing,
+spawn), and every rank joins one gloo group over 127.0.0.1. Each rank loads its part of the
+model (models/parallel.py: heads, MLP rows, vocabulary rows) and holds a cache of the same
+geometry (blocks, slots, checkpoint entries) for its own heads only, so the driver's block
+tables and slot numbers mean the same on every rank and admission is decided once, by the driver.
+
+Each step the driver sends every worker one message (`StepChannel`: one broadcast of a fixed
+buffer, a second only for a message that overflows it): the step's input ids, its ForwardBatch
+and the cache copies made since the last step (a fork's, a prefix hit's, a checkpoint's:
+`CachePools.copies`), which the workers repeat on their own pools before the forward. Then all
+ranks run the forward, joining in its all-reduces (o_proj, out_proj, down_proj or the MoE
+block) and in the gather of the logits on rank 0, where sampling happens.
+
+A worker that dies closes its sockets: the driver's next collective fails, and the step raises
+an error naming the dead workers (a worker that hangs instead fails it after COLLECTIVE_TIMEOUT).
+A driver that goes away ends its workers the same way, and `shutdown()` (LLM.shutdown, or the
+interpreter's exit: the workers are daemonic) ends them at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import signal
+import socket
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybrid_engine.models.parallel import TensorParallel
+
+from .model_runner import EagerSteps
+from .prompt_logprobs import row_pieces
+from .step_inputs import StepInputs
+
+# How long a collective waits for the other ranks before it fails the step (a hung worker). A
+# worker waits for the driver's next step as long as the driver lives (its sockets close when it ends).
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+WORKER_IDLE_TIMEOUT = timedelta(days=365)
+# A step's message is one broadcast of this many bytes, a second one only for a longer message.
+# Measured on the tests' tiny model: a step of 16 decodes is 4 KB on the cpu backend (60 KB on the
+# torch backend, whose attention gather indices cross too); a prefill of 16 prompts of up to 200
+# tokens 450 KB (its attention masks), so two broadcasts.
+STEP_MESSAGE_BYTES = 64 << 10
+_LENGTH_BYTES = 8
+SHUTDOWN_JOIN_S = 5.0
+DEATH_GRACE_S = 0.5
+
+
+def parallel_for(rank: int, size: int) -> TensorParallel:
+    """This rank's place and the group's collectives, for the model (models/parallel.py)."""
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def gather_logits(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        if rank != 0:
+            dist.gather(t, dst=0)
+            return t
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.gather(t, parts, dst=0)
+        return torch.cat(parts, dim=-1)
+
+    return TensorParallel(rank, size, all_reduce, gather_logits)
+
+
+class StepChannel:
+    """Objects from rank 0 to every rank, pickled with tensors as their bare bytes (a view of a
+    step's persistent buffer would otherwise carry its whole storage)."""
+
+    def __init__(self):
+        self.buffer = torch.zeros(STEP_MESSAGE_BYTES, dtype=torch.uint8)
+
+    def send(self, obj) -> None:
+        data = _dumps(obj)
+        fit = min(len(data), STEP_MESSAGE_BYTES - _LENGTH_BYTES)
+        head = self.buffer.numpy()
+        head[:_LENGTH_BYTES] = memoryview(len(data).to_bytes(_LENGTH_BYTES, "little"))
+        head[_LENGTH_BYTES:_LENGTH_BYTES + fit] = memoryview(data)[:fit]
+        dist.broadcast(self.buffer, 0)
+        if fit < len(data):
+            dist.broadcast(torch.frombuffer(bytearray(data[fit:]), dtype=torch.uint8), 0)
+
+    def receive(self):
+        dist.broadcast(self.buffer, 0)
+        head = self.buffer.numpy()
+        n = int.from_bytes(head[:_LENGTH_BYTES].tobytes(), "little")
+        fit = min(n, STEP_MESSAGE_BYTES - _LENGTH_BYTES)
+        data = head[_LENGTH_BYTES:_LENGTH_BYTES + fit].tobytes()
+        if fit < n:
+            rest = torch.empty(n - fit, dtype=torch.uint8)
+            dist.broadcast(rest, 0)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            flat = obj.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+            return _tensor, (obj.dtype, tuple(obj.shape), flat.view(torch.uint8).numpy().tobytes())
+        return NotImplemented
+
+
+def _dumps(obj) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    """The driver's side: the workers it started and the channel to them. config: the engine's
+    (its model resolved to a path), which each worker loads its part of the model from."""
+
+    def __init__(self, config, size: int):
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a torch.distributed group (another tensor-parallel "
+                               "engine not shut down?): one tensor-parallel engine per process")
+        self._closed = True                    # until the group is up: nothing for shutdown to end
+        self.size = size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.workers = [ctx.Process(target=_worker_main, args=(rank, size, port, config), daemon=True,
+                                    name=f"hybrid-engine-tp{rank}") for rank in range(1, size)]
+        # One thread per worker (OpenMP reads it once, as torch starts in the child).
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for worker in self.workers:
+                worker.start()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        try:
+            self._join_group(port)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.channel = StepChannel()
+        self.parallel = parallel_for(0, size)
+        self._closed = False
+
+    def __del__(self) -> None:
+        # An engine dropped without shutdown(): its workers go with it (not only at exit).
+        if not self.__dict__.get("_closed", True):
+            self.shutdown()
+
+    def _join_group(self, port: int) -> None:
+        """The driver's init_process_group, in a thread of its own while this one watches the
+        workers: one that ends first (a script without the `__main__` guard, whose spawned
+        copy starts an engine of its own) fails the start-up at once rather than after the
+        rendezvous' timeout."""
+        outcome: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                        world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=join, name="hybrid-engine-tp-init", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            ended = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1)
+                     if w.exitcode is not None]
+            if ended and thread.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {', '.join(ended)} ended while starting (its error is "
+                                   "on stderr); a script that starts a tensor-parallel engine needs the "
+                                   "`if __name__ == \"__main__\":` guard, as the workers are spawned")
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def start_cache(self, pools) -> None:
+        """Each worker allocates a cache of `pools`' geometry for its heads; from now on the
+        driver's pools log their copies for the workers to repeat."""
+        pools.copies = []
+        try:
+            self.channel.send(pools.geometry())
+            dist.barrier()                     # every worker has loaded its part and its cache
+        except RuntimeError as e:
+            dead = self.dead_workers()
+            if dead is None:
+                raise
+            raise dead from e
+
+    def send_step(self, inputs: StepInputs, pools) -> None:
+        """The step's message: its input ids, its ForwardBatch (the workers use their own kernel
+        backend), the cache copies since the last step, and the rows that prompt_logprobs
+        scores after the forward (their lm_head products gather too)."""
+        copies, pools.copies = pools.copies, []
+        prompt_rows = [(span.first_row, span.num_rows) for span in inputs.prompt_rows]
+        self.channel.send((inputs.input_ids, dataclasses.replace(inputs.batch, kernels=None), copies, prompt_rows))
+
+    def dead_workers(self) -> RuntimeError | None:
+        """The error that names the workers that have died (None while all live): what a
+        failed collective reports in place of gloo's own."""
+        for worker in self.workers:            # a worker's sockets close a moment before it is gone
+            worker.join(DEATH_GRACE_S)
+        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        return RuntimeError(f"tensor-parallel worker {', '.join(dead)} has died") if dead else None
+
+    def shutdown(self) -> None:
+        """Ends the workers (a last message where they can take it, then their processes)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(w.is_alive() for w in self.workers):
+                self.channel.send(None)
+        except Exception:
+            pass                               # a broken group: the workers are ended below
+        self._stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_workers(self) -> None:
+        for worker in self.workers:
+            worker.join(SHUTDOWN_JOIN_S)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(SHUTDOWN_JOIN_S)
+
+
+def _worker_main(rank: int, size: int, port: int, config) -> None:
+    """A worker: its part of the model and of the cache, then the forward of every step the
+    driver sends, until it sends None."""
+    # Ctrl-C at a terminal reaches the whole process group: the driver alone handles it, and
+    # ends its workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=WORKER_IDLE_TIMEOUT)
+    try:
+        _serve_steps(rank, size, config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve_steps(rank: int, size: int, config) -> None:
+    from hybrid_engine.kernels import make_backend
+    from hybrid_engine.models import load_model
+    from hybrid_engine.state_cache import CachePools
+
+    kernels = make_backend(config.kernel_backend, config.device)
+    method = kernels.linear_method(compiled=False, few_rows_copy=config.bf16_few_rows_copy)
+    model, _ = load_model(config.model, config.dtype, config.device, method=method, tp=parallel_for(rank, size))
+    channel = StepChannel()
+    pools = CachePools(*channel.receive(), device=config.device)
+    dist.barrier()
+    with torch.inference_mode():
+        while (message := channel.receive()) is not None:
+            input_ids, batch, copies, prompt_rows = message
+            for name, args in copies:
+                getattr(pools, name)(*args)
+            hidden, _ = model.forward_step(input_ids, dataclasses.replace(batch, kernels=kernels), pools)
+            for index in row_pieces(prompt_rows, model.cfg.vocab_size, hidden.device):
+                model.compute_logits(hidden[index])
+
+
+class TensorParallelSteps(EagerSteps):
+    """The driver's execution strategy (hybrid_engine/model_runner.py): each step's message to
+    the workers, then its own part of the forward, eagerly."""
+
+    def __init__(self, model, caches, group: TensorParallelGroup):
+        super().__init__(model, caches)
+        self.group = group
+
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            self.group.send_step(inputs, self.caches)
+            return super().forward(inputs)
+        except RuntimeError as e:
+            dead = self.group.dead_workers()
+            if dead is None:
+                raise
+            raise dead from e

@@ -1,0 +1,130 @@
+"""Tensor parallelism as the model sees it: which part of each weight this rank holds, and the
+two collectives that join the parts (handed in by the engine; models never see a process).
+
+A rank of N holds, per layer, 1/N of the heads: attention's q (with its gate), k and v by
+heads (KV heads replicated when there are fewer than N: rank r then holds KV head r * nkv // N),
+GDN's q, k, v, z, b, a, conv taps, A_log and dt_bias by key / value heads, the MLP's gate and
+up rows; o_proj, GDN's out_proj and the MLP's down_proj take the matching input columns, and
+their partial outputs are summed across ranks (`all_reduce`). lm_head holds 1/N of the
+vocabulary rows (the last rank's part padded with zero rows where N does not divide the
+vocabulary) and the logits are gathered on rank 0 (`gather_logits`). An MoE block keeps its
+router and shared-expert gate whole and splits each expert's (and the shared expert's)
+intermediate rows like the MLP's, its output summed once (TP over the experts, not EP yet). The embedding is
+replicated: a lookup of T rows costs nothing next to the all-reduce of [T, H] a vocab-parallel
+embedding needs in every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Split:
+    """One rank's part of a checkpoint tensor: along `dim`, each of `segments` (consecutive runs
+    of the full tensor, by their sizes) cut into `parts` equal pieces (a segment that `parts`
+    does not divide is padded with zeros first), of which the rank keeps piece `index`; its
+    pieces of the segments, in order, are its tensor."""
+
+    dim: int
+    segments: tuple[int, ...]
+    parts: int
+    index: int
+
+    def local_size(self) -> int:
+        return sum(-(-s // self.parts) for s in self.segments)
+
+    def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = sum(self.segments)
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        pieces, start = [], 0
+        for size in self.segments:
+            piece = -(-size // self.parts)
+            lo, hi = start + min(self.index * piece, size), start + min((self.index + 1) * piece, size)
+            part = full.narrow(self.dim, lo, hi - lo)
+            if hi - lo < piece:
+                pad = list(full.shape)
+                pad[self.dim] = piece - (hi - lo)
+                part = torch.cat([part, full.new_zeros(pad)], dim=self.dim)
+            pieces.append(part)
+            start += size
+        return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the group, and the group's collectives (None for a single process):
+    all_reduce sums a tensor across ranks in place and returns it; gather_logits joins the
+    ranks' vocabulary parts [rows, V/N] along the last dimension on rank 0 (elsewhere it
+    returns its input, which nobody reads)."""
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def heads(self, count: int) -> int:
+        """This rank's share of `count` heads (1 where the heads are replicated)."""
+        return max(count // self.size, 1)
+
+    def by_heads(self, heads: int, rows_per_head: int, dim: int = 0) -> Split:
+        """Heads split contiguously over the ranks, or replicated in groups where fewer than ranks."""
+        parts = min(heads, self.size)
+        return Split(dim, (heads * rows_per_head,), parts, self.rank * parts // self.size)
+
+    def by_segments(self, segments: tuple[int, ...], dim: int = 0) -> Split:
+        return Split(dim, tuple(segments), self.size, self.rank)
+
+
+SINGLE = TensorParallel()
+
+
+def shard_parameter(param: torch.nn.Parameter, split: Split) -> None:
+    """Marks a parameter (declared at the rank's size) as `split` of its checkpoint tensor:
+    models/load.py then expects the full tensor and keeps the rank's part."""
+    param.tp_split = split
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """ValueError naming each dimension of `cfg` that tensor_parallel_size `size` cannot split
+    and the sizes that work (checked by the engine before any process starts)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if size == 1:
+        return
+    bad = [name for name, count, ok in _dimensions(cfg) if not ok(count, size)]
+    if bad:
+        works = [n for n in range(1, 65) if all(ok(count, n) for _, count, ok in _dimensions(cfg))]
+        dims = ", ".join(f"{name} ({count})" for name, count, _ in _dimensions(cfg) if name in bad)
+        raise ValueError(f"tensor_parallel_size {size} does not split {dims} evenly; "
+                         f"sizes that work for this model: {', '.join(map(str, works))}")
+
+
+def _divides(count: int, size: int) -> bool:
+    return count % size == 0
+
+
+def _divides_or_replicates(count: int, size: int) -> bool:
+    return count % size == 0 or size % count == 0
+
+
+def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], bool]]]:
+    dims = [("num_attention_heads", cfg.num_attention_heads, _divides),
+            ("num_key_value_heads", cfg.num_key_value_heads, _divides_or_replicates),
+            ("linear_num_key_heads", cfg.linear_num_key_heads, _divides),
+            ("linear_num_value_heads", cfg.linear_num_value_heads, _divides)]
+    moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
+    if not all(moe):
+        dims.append(("intermediate_size", cfg.intermediate_size, _divides))
+    if any(moe):
+        dims += [("moe_intermediate_size", cfg.moe_intermediate_size, _divides),
+                 ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, _divides)]
+    return dims

@@ -1,0 +1,304 @@
+"""Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
+TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
+preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next), head counts that do not split are refused before any process starts, and
+no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.models.parallel import Split
+
+from checkpoints import make_hf_model, save_checkpoint
+from engine_checks import assert_no_leak, budget_for_blocks
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp_dense")
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def four_way_ckpt(tmp_path_factory):
+    """4 GDN key heads, so that 4 ranks split them; 2 KV heads, replicated over pairs of ranks;
+    vocabulary 250, which 4 does not divide (lm_head's last part padded), tied to the embedding
+    (which each rank keeps whole)."""
+    folder = tmp_path_factory.mktemp("tp_four")
+    save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2, linear_num_key_heads=4, vocab_size=250,
+                                  tie_word_embeddings=True), folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _no_group_left_behind():
+    """A test that fails before its shutdown() leaves neither its workers nor this process's
+    group to the next test."""
+    yield
+    for child in multiprocessing.active_children():
+        if child.name.startswith("hybrid-engine-tp"):
+            child.kill()
+            child.join()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _prompts(n=6, lo=1, hi=70, vocab=250, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _children() -> set[int]:
+    """Pids of this process's live (not zombie) children."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            pids.add(int(entry))
+    return pids
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    return [w.pid for w in llm.engine.tp_group.workers]
+
+
+def _generate(llm: LLM, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] + [((), (o.prompt_logprobs or [None])[1:])]
+            for o in outs]
+
+
+def _assert_same(tp1, tp2):
+    for a, b in zip(tp1, tp2, strict=True):
+        for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
+            assert tokens_a == tokens_b
+            for pa, pb in zip(logprobs_a, logprobs_b, strict=True):
+                assert pa.keys() == pb.keys()
+                assert max(abs(pa[t] - pb[t]) for t in pa) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
+    """Chunked prefill, n=2 (the fork's copies reach the workers), a seeded sampled request,
+    prompt_logprobs, and a second round that hits the prefix cache (its checkpoint copies too)."""
+    prompts = _prompts(vocab=256)
+    params = [SamplingParams(temperature=0.8 if i == 3 else 0.0, seed=7 if i == 3 else None, max_tokens=6 + i,
+                             ignore_eos=True, logprobs=2, n=1 + (i == 2), prompt_logprobs=2 if i in (0, 4) else None)
+              for i in range(len(prompts))]
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend=backend, max_num_seqs=8,
+                  max_num_batched_tokens=32, tensor_parallel_size=size)
+        first = _generate(llm, prompts, params)
+        again = _generate(llm, prompts, params)
+        assert llm.engine.prefix_cache_stats["hits"] > 0
+        assert_no_leak(llm.engine)
+        llm.shutdown()
+        runs.append((first, again))
+    _assert_same(runs[0][0], runs[1][0])
+    _assert_same(runs[0][1], runs[1][1])
+    _assert_same(runs[1][0], runs[1][1])
+
+
+def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
+    def sizes(size):
+        engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
+                                        max_num_seqs=4, tensor_parallel_size=size))
+        weights = sum(p.numel() for name, p in engine.model.named_parameters()
+                      if "embed_tokens" not in name and "norm" not in name)
+        spec = engine.cache.spec
+        engine.shutdown()
+        return weights, spec.bytes_per_block, spec.bytes_per_slot
+
+    whole, half = sizes(1), sizes(2)
+    assert half[0] * 2 == whole[0]          # every projection, conv tap, A_log and dt_bias split in two
+    assert (half[1] * 2, half[2] * 2) == whole[1:]
+
+
+def test_tp2_with_preemption(dense_ckpt):
+    prompts = _prompts(n=8, lo=20, hi=90, vocab=256, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", enable_prefix_caching=False)
+    want = [o.token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
+    alone.shutdown()
+    probe = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                                   tensor_parallel_size=2))
+    budget = budget_for_blocks(probe, 20)           # per rank: 8 requests need up to 8 x 7 blocks
+    probe.shutdown()
+    tight = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                cache_memory_bytes=budget, tensor_parallel_size=2)
+    assert tight.engine.cache.num_blocks == 20
+    assert [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == want
+    assert tight.engine.num_preemptions > 0
+    tight.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, backend):
+    prompts = _prompts(n=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 4):
+        llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend=backend, tensor_parallel_size=size)
+        runs.append(_generate(llm, prompts, params))
+        if size == 4:
+            spec = llm.engine.cache.spec
+            assert (spec.num_kv_heads, spec.num_v_heads) == (1, 1)        # 2 KV heads over 4 ranks
+        llm.shutdown()
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family):
+    """The experts and the shared expert split by their intermediate rows, the router whole;
+    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them."""
+    save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
+    prompts = _prompts(n=3, vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    _assert_same(*runs)
+
+
+def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp_path):
+    before = _children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split num_attention_heads \(4\), "
+                                         r".*linear_num_key_heads \(2\).*sizes that work for this model: 1, 2$"):
+        LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", tensor_parallel_size=3))
+    assert _children() == before
+    moe = tmp_path / "moe"
+    save_checkpoint(make_hf_model("qwen3_5_moe", moe_intermediate_size=6, linear_num_key_heads=4), moe)
+    with pytest.raises(ValueError, match=r"does not split moe_intermediate_size \(6\) evenly; "
+                                         r"sizes that work for this model: 1, 2$"):
+        LLMEngine(EngineConfig(model=str(moe), dtype="float32", tensor_parallel_size=4))
+    for bad in (0, True, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+            EngineConfig(model=str(dense_ckpt), tensor_parallel_size=bad).validate()
+    with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), quantization yet"):
+        EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, quantization="int8",
+                     speculative_config={"num_speculative_tokens": 1}).validate()
+
+
+def test_shutdown_ends_the_workers(dense_ckpt):
+    llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+    pids = _worker_pids(llm)
+    assert set(pids) <= _children()
+    llm.shutdown()
+    assert not set(pids) & _children()
+
+
+def test_one_tensor_parallel_engine_per_process(dense_ckpt):
+    engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
+                                    tensor_parallel_size=2))
+    pids = [w.pid for w in engine.tp_group.workers]
+    with pytest.raises(RuntimeError, match="one tensor-parallel engine per process"):
+        LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
+                               tensor_parallel_size=2))
+    del engine                                       # dropped without shutdown: its workers end too
+    assert not set(pids) & _children()
+
+
+def test_a_dead_worker_fails_the_next_step_at_once(dense_ckpt):
+    llm = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
+    (pid,) = _worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(exit code -9\) has died"):
+        llm.generate([[4, 5, 6]], params, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    llm.shutdown()
+    assert not {pid} & _children()
+
+
+def test_workers_end_with_the_interpreter(dense_ckpt):
+    """A script that never calls shutdown: its workers end with it."""
+    script = textwrap.dedent(f"""
+        from hybrid_engine import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(dense_ckpt)!r}, dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+            print(*[w.pid for w in llm.engine.tp_group.workers], flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    for pid in map(int, done.stdout.split()):
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_generate_command_at_tp2(dense_ckpt):
+    def generate(*flags):
+        done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "generate", "--model", str(dense_ckpt),
+                               "--dtype", "float32", "--kernel-backend", "torch", "--json", "--max-tokens", "5",
+                               "--ignore-eos", "--temperature", "0", "3 14 15 92", *flags],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line)["token_ids"] for line in done.stdout.splitlines()]
+
+    assert generate("--tensor-parallel-size", "2") == generate()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_workers_end_when_the_driver_is_killed_or_interrupted(dense_ckpt, how):
+    script = textwrap.dedent(f"""
+        import time
+        from hybrid_engine import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(dense_ckpt)!r}, dtype="float32", kernel_backend="torch", tensor_parallel_size=2)
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+            print(*[w.pid for w in llm.engine.tp_group.workers], flush=True)
+            time.sleep(60)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pids = [int(p) for p in driver.stdout.readline().split()]
+    assert pids, driver.stderr.read()
+    driver.send_signal(how)
+    driver.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_a_script_without_the_main_guard_fails_at_once(dense_ckpt, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from hybrid_engine import LLM\n"
+                      f"LLM(model={str(dense_ckpt)!r}, kernel_backend='torch', tensor_parallel_size=2)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0 and time.monotonic() - start < 30
+    assert "needs the `if __name__ == \"__main__\":` guard" in done.stderr
+
+
+def test_split_takes_each_segment_s_part_and_pads():
+    full = torch.arange(10).view(10, 1)
+    assert Split(0, (4, 2, 4), 2, 1).take(full).flatten().tolist() == [2, 3, 5, 8, 9]
+    assert Split(0, (10,), 4, 3).take(full).flatten().tolist() == [9, 0, 0]
+    assert Split(0, (4,), 2, 0).full_shape((2, 1)) == (4, 1)
