@@ -9,6 +9,7 @@ completes its structure within max_tokens (finish_reason "stop", or "tool_calls"
 import asyncio
 import json
 import re
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -42,21 +43,27 @@ SAMPLED = dict(temperature=1.0, max_tokens=250)
 
 
 @pytest.fixture(scope="module")
-def llm():
+def served():
+    """The default model's LLM, its server and an openai client of the server."""
     llm = LLM(max_num_seqs=8, max_model_len=512)
-    yield llm
+    with running_server(llm) as server:
+        yield SimpleNamespace(llm=llm, server=server, api=client(server))
     llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server(llm):
-    with running_server(llm) as s:
-        yield s
+@pytest.fixture
+def llm(served):
+    return served.llm
 
 
-@pytest.fixture(scope="module")
-def api(server):
-    return client(server)
+@pytest.fixture
+def server(served):
+    return served.server
+
+
+@pytest.fixture
+def api(served):
+    return served.api
 
 
 def chat(api, seed=1, **kw):
