@@ -46,15 +46,6 @@ from hybrid_engine.spec_decode.stats import SpecStats
 logger = logging.getLogger(__name__)
 
 
-def _think_tokens(tokenizer) -> tuple[int, int] | None:
-    """(`<think>`, `</think>`) token ids where the vocabulary has both as single tokens."""
-    if tokenizer is None:
-        return None
-    vocab = tokenizer.get_vocab()
-    start, end = vocab.get("<think>"), vocab.get("</think>")
-    return None if start is None or end is None else (start, end)
-
-
 def parse_speculative_config(spec: dict | None) -> int:
     """-> the number of speculative tokens k (0 = off); ValueError naming what is wrong."""
     if spec is None:
@@ -179,7 +170,6 @@ class LLMEngine:
         # the vocabulary's tables), on whichever thread prepares it.
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
-        self.think_tokens = _think_tokens(self.tokenizer)
 
     def capacity_summary(self) -> str:
         """What the cache holds, in requests and tokens (as vLLM's "maximum concurrency for N
@@ -336,9 +326,10 @@ class LLMEngine:
         """The `</think>` token id when the prompt leaves the model inside a think block (its
         last `<think>` after its last `</think>`: Qwen3.5's template with thinking on), so that
         a constraint starts after the reasoning; else None."""
-        if self.think_tokens is None:
+        think_tokens = self.grammar_compiler.think_tokens
+        if think_tokens is None:
             return None
-        start, end = self.think_tokens
+        start, end = think_tokens
         last = {start: -1, end: -1}
         for i, t in enumerate(prompt_ids):
             if t in last:

@@ -61,13 +61,12 @@ class RequestGrammar:
         return not self.in_reasoning and self.matcher.is_terminated()
 
     def accept(self, token: int) -> None:
-        """Advances past one emitted token. Every emitted token was sampled under this grammar's
-        mask, so a rejection is a bug, not a model's choice."""
-        if self.in_reasoning:
-            self.in_reasoning = token != self.think_end
-            return
-        if not self.matcher.accept_token(token):
+        """Advances past one emitted token: a walk of one token, kept (not closed). Every emitted
+        token was sampled under this grammar's mask, so a rejection is a bug, not a model's choice."""
+        walk = GrammarWalk(self)
+        if not walk.accept(token):
             raise RuntimeError(f"the grammar rejected token {token}, which was sampled under its mask")
+        self.in_reasoning = walk.in_reasoning
 
     def fill_masks(self, drafts: list[int], bitmask: torch.Tensor, first: int, n: int) -> None:
         """Rows first..first+n-1 of `bitmask` [rows, ceil(V/32)] int32: the mask at each of the n
@@ -148,13 +147,11 @@ class DraftMasks:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [D, V] of one draft position -> float32, disallowed tokens -inf."""
-        logits = logits.float()
-        bitmask = torch.full((logits.shape[0], (logits.shape[1] + 31) // 32), ALL_ALLOWED, dtype=torch.int32)
-        for row, walk in enumerate(self.walks):
-            if walk is not None:
-                walk.fill(bitmask, row)
-        _apply(logits, bitmask)
-        return logits
+        def fill(bitmask: torch.Tensor) -> None:
+            for row, walk in enumerate(self.walks):
+                if walk is not None:
+                    walk.fill(bitmask, row)
+        return _masked(logits, fill)
 
     def advance(self, drafts: list[int]) -> None:
         for walk, tok in zip(self.walks, drafts):
@@ -176,18 +173,22 @@ def mask_logits(logits: torch.Tensor, spans: list[tuple[object, int, int]]) -> t
     constrained = [span for span in spans if span[0].request.grammar is not None]
     if not constrained:
         return logits
-    if logits.dtype != torch.float32:
-        logits = logits.float()
+
+    def fill(bitmask: torch.Tensor) -> None:
+        for seg, first, n in constrained:
+            seg.request.grammar.fill_masks(seg.request.draft_token_ids, bitmask, first, n)
+    return _masked(logits, fill)
+
+
+def _masked(logits: torch.Tensor, fill) -> torch.Tensor:
+    """logits [N, V] as float32 (a copy where they are not) with the masks fill(bitmask) writes
+    into an all-ones bitmask [N, ceil(V/32)] applied: disallowed tokens -inf."""
+    logits = logits.float()
     bitmask = torch.full((logits.shape[0], (logits.shape[1] + 31) // 32), ALL_ALLOWED, dtype=torch.int32)
-    for seg, first, n in constrained:
-        seg.request.grammar.fill_masks(seg.request.draft_token_ids, bitmask, first, n)
-    _apply(logits, bitmask)
-    return logits
-
-
-def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    fill(bitmask)
     with torch.inference_mode():        # the runner's logits are inference tensors: in place only in here
         if logits.is_cpu:
             apply_token_bitmask(logits, bitmask)
         else:
             apply_token_bitmask_torch(logits, bitmask.to(logits.device, non_blocking=True))
+    return logits
