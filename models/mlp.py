@@ -46,8 +46,9 @@ class ParallelSwiGLU(SwiGLU):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I],
-    as the loader fills them, run as F.linear on the stack.
+    """Stacked expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+    (E this rank's experts under tensor parallelism), as the loader fills them, run as F.linear
+    on the stack.
 
     With a linear method (`use_method`, before loading: a quantization config's) each expert
     becomes a SwiGLU of projection layers of that method, child `{e}` of this module, so its
@@ -59,17 +60,18 @@ class Experts(nn.Module):
     weights (online quantization)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel = SINGLE):
-        """tp: each expert's gate and up rows and down columns split over the ranks (their
-        outputs partial sums, for the MoE block to sum)."""
+        """tp: the experts split whole over the ranks (expert parallelism): rank r of N holds
+        experts [r E/N, (r+1) E/N), `num_local` from `first`; a token routed to another rank's
+        expert gets nothing from this one, and the MoE block sums the ranks' outputs."""
         super().__init__()
-        full = intermediate
-        intermediate = tp.by_segments((full,)).local_size()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.num_local = num_experts // tp.size
+        self.first = tp.rank * self.num_local
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, intermediate))
         if tp.size > 1:
-            shard_parameter(self.gate_up_proj, tp.by_segments((full, full), dim=1))
-            shard_parameter(self.down_proj, tp.by_segments((full,), dim=2))
+            shard_parameter(self.gate_up_proj, tp.by_segments((num_experts,)))
+            shard_parameter(self.down_proj, tp.by_segments((num_experts,)))
         self.method: LinearMethod | None = None
         self.per_expert: list[SwiGLU] | None = None
 
@@ -79,11 +81,11 @@ class Experts(nn.Module):
             self._make_experts(method, dtype)
 
     def _make_experts(self, method: LinearMethod, dtype: torch.dtype | None) -> list[SwiGLU]:
-        """Child `{e}` per expert, its weights on the meta device (to be loaded); the stacked
-        tensors are dropped."""
+        """Child `{e}` per local expert (e its index in the whole model, as the checkpoint names
+        it), its weights on the meta device (to be loaded); the stacked tensors are dropped."""
         del self.gate_up_proj, self.down_proj
         self.per_expert = []
-        for e in range(self.num_experts):
+        for e in range(self.first, self.first + self.num_local):
             with torch.device("meta"):
                 expert = SwiGLU(self.hidden, self.intermediate)
             expert.gate_up_proj.use_method(method, dtype)
@@ -105,7 +107,8 @@ class Experts(nn.Module):
             expert.down_proj.process_weights_after_loading()
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, ops) -> torch.Tensor:
-        """x [T, H]; expert_ids, weights [T, top_k]. Loops over the experts that were hit."""
+        """x [T, H]; expert_ids (the whole model's), weights [T, top_k]. Loops over this rank's
+        experts that were hit."""
         out = torch.zeros_like(x)
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -114,15 +117,15 @@ class Experts(nn.Module):
         w_sorted = weights.reshape(-1)[order]
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start:start + n]
-            if self.per_expert is None:
-                gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            else:
-                y = self.per_expert[e](x[rows], ops)
-            out.index_add_(0, rows, y * w_sorted[start:start + n, None])
+            local = e - self.first
+            if n and 0 <= local < self.num_local:
+                rows = token_of[start:start + n]
+                if self.per_expert is None:
+                    gate, up = F.linear(x[rows], self.gate_up_proj[local]).chunk(2, dim=-1)
+                    y = F.linear(F.silu(gate) * up, self.down_proj[local])
+                else:
+                    y = self.per_expert[local](x[rows], ops)
+                out.index_add_(0, rows, y * w_sorted[start:start + n, None])
             start += n
         return out
 
@@ -153,9 +156,10 @@ class SparseMoE(nn.Module):
 
 
 class ParallelSparseMoE(SparseMoE):
-    """A tensor-parallel rank's MoE block: the router and shared_expert_gate whole (a per-token
-    scale, so it applies to each rank's partial sum alike), each expert and the shared expert
-    split by their intermediate rows, the block's output summed across ranks once."""
+    """A tensor-parallel rank's MoE block: the router and shared_expert_gate whole (every rank
+    routes every token; the gate is a per-token scale, so it applies to each rank's partial sum
+    alike), the experts split whole over the ranks (expert parallelism), the shared expert by
+    its intermediate rows, the block's output summed across ranks once."""
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         return self.all_reduce(super().forward(x, ops))

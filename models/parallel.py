@@ -7,11 +7,12 @@ GDN's q, k, v, z, b, a, conv taps, A_log and dt_bias by key / value heads, the M
 up rows; o_proj, GDN's out_proj and the MLP's down_proj take the matching input columns, and
 their partial outputs are summed across ranks (`all_reduce`). lm_head holds 1/N of the
 vocabulary rows (the last rank's part padded with zero rows where N does not divide the
-vocabulary) and the logits are gathered on rank 0 (`gather_logits`). An MoE block keeps its
-router and shared-expert gate whole and splits each expert's (and the shared expert's)
-intermediate rows like the MLP's, its output summed once (TP over the experts, not EP yet). The embedding is
-replicated: a lookup of T rows costs nothing next to the all-reduce of [T, H] a vocab-parallel
-embedding needs in every step.
+vocabulary) and the logits are gathered on rank 0 (`gather_logits`). An MoE block splits its
+experts whole over the ranks (expert parallelism: rank r holds experts [r E/N, (r+1) E/N)),
+keeps its router and shared-expert gate whole (every rank routes every token and runs its own
+experts on the tokens routed to them), splits the shared expert's intermediate rows like the
+MLP's, and sums its output once. The embedding is replicated: a lookup of T rows costs nothing
+next to the all-reduce of [T, H] a vocab-parallel embedding needs in every step.
 """
 
 from __future__ import annotations
@@ -125,6 +126,6 @@ def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], b
     if not all(moe):
         dims.append(("intermediate_size", cfg.intermediate_size, _divides))
     if any(moe):
-        dims += [("moe_intermediate_size", cfg.moe_intermediate_size, _divides),
+        dims += [("num_experts", cfg.num_experts, _divides),
                  ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, _divides)]
     return dims

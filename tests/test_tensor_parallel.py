@@ -165,19 +165,55 @@ def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, 
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family):
-    """The experts and the shared expert split by their intermediate rows, the router whole;
+def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, backend):
+    """The experts split whole over the ranks (expert parallelism: each rank runs its own on the
+    tokens routed to them), the shared expert by its intermediate rows, the router whole;
     Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them."""
     save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
     prompts = _prompts(n=3, vocab=256)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     runs = []
     for size in (1, 2):
-        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend=backend, tensor_parallel_size=size)
         runs.append(_generate(llm, prompts, params))
         llm.shutdown()
     _assert_same(*runs)
+
+
+def _weight_bytes(model, part: str = "") -> int:
+    """Bytes of the weights a model holds (its methods' own tensors too: a quantized layer's
+    packed values and scales) in modules whose name holds `part`, less the embedding and the norms
+    (whole on every rank)."""
+    total = 0
+    for name, module in model.named_modules():
+        if part not in name or "embed_tokens" in name or "norm" in name:
+            continue
+        tensors = [t for t in vars(module).values() if isinstance(t, torch.Tensor)]
+        tensors += list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        total += sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+    return total
+
+
+@pytest.mark.parametrize("quantization", [None])
+def test_each_moe_rank_holds_half_the_experts(tmp_path, quantization):
+    """Rank 0 of 2 holds experts 0 and 1 of 4, whole; with the heads and the shared expert
+    halved too, only the router and shared_expert_gate (whole) keep it above half."""
+    save_checkpoint(make_hf_model("qwen3_5_moe", full_attention_interval=2, shared_expert_intermediate_size=64), tmp_path)
+    models = []
+    for size in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", kernel_backend="auto",
+                                        quantization=quantization, tensor_parallel_size=size))
+        models.append(engine.model)
+        engine.shutdown()
+    whole, half = models
+    experts = half.layers[0].mlp.experts
+    assert (experts.first, experts.num_local, experts.num_experts) == (0, 2, 4)
+    if quantization:
+        assert sorted(name for name, _ in experts.named_children()) == ["0", "1"]
+    assert _weight_bytes(half, ".experts") * 2 == _weight_bytes(whole, ".experts")
+    assert 0.5 < _weight_bytes(half) / _weight_bytes(whole) < 0.52
 
 
 def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp_path):
@@ -187,8 +223,8 @@ def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp
         LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", tensor_parallel_size=3))
     assert _children() == before
     moe = tmp_path / "moe"
-    save_checkpoint(make_hf_model("qwen3_5_moe", moe_intermediate_size=6, linear_num_key_heads=4), moe)
-    with pytest.raises(ValueError, match=r"does not split moe_intermediate_size \(6\) evenly; "
+    save_checkpoint(make_hf_model("qwen3_5_moe", num_experts=6, linear_num_key_heads=4), moe)
+    with pytest.raises(ValueError, match=r"does not split num_experts \(6\) evenly; "
                                          r"sizes that work for this model: 1, 2$"):
         LLMEngine(EngineConfig(model=str(moe), dtype="float32", tensor_parallel_size=4))
     for bad in (0, True, "2"):
