@@ -28,7 +28,7 @@ from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
 from .prompt import PreparedPrompt, encode_prompt
 from .checkpoint_formats.gguf import GgufFile, is_gguf
-from .quantization import quantized_layers
+from .quantization import quantized_layers, tensor_parallel_group_size
 from .prefix_caching import PrefixCaching
 from .grammar_compiler import GrammarCompiler
 from .request import Request
@@ -91,7 +91,8 @@ class LLMEngine:
         # Tensor parallelism: the workers start first and load their parts beside the driver's.
         self.tp_group = None
         if config.tensor_parallel_size > 1:
-            check_tensor_parallel(load_config(config.model), config.tensor_parallel_size)
+            check_tensor_parallel(load_config(config.model), config.tensor_parallel_size,
+                                  tensor_parallel_group_size(config))
             self.tp_group = TensorParallelGroup(config, config.tensor_parallel_size)
         try:
             self._wire(config, k)

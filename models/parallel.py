@@ -94,18 +94,27 @@ def shard_parameter(param: torch.nn.Parameter, split: Split) -> None:
     param.tp_split = split
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = None) -> None:
     """ValueError naming each dimension of `cfg` that tensor_parallel_size `size` cannot split
-    and the sizes that work (checked by the engine before any process starts)."""
+    and the sizes that work (checked by the engine before any process starts). group_size:
+    online quantization's, where each rank quantizes its own part: the input columns of a
+    projection whose partial outputs the ranks sum (o_proj, out_proj, down_proj) must then split
+    into whole groups, or a rank's groups would not be the whole model's (where the width holds
+    no whole groups at all, the projection stays float at any size)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if size == 1:
         return
-    bad = [name for name, count, ok in _dimensions(cfg) if not ok(count, size)]
-    if bad:
-        works = [n for n in range(1, 65) if all(ok(count, n) for _, count, ok in _dimensions(cfg))]
-        dims = ", ".join(f"{name} ({count})" for name, count, _ in _dimensions(cfg) if name in bad)
-        raise ValueError(f"tensor_parallel_size {size} does not split {dims} evenly; "
+    dims = _dimensions(cfg)
+    grouped = ([] if group_size is None else
+               [(name, count, _in_groups(group_size)) for name, count in _split_columns(cfg)])
+    uneven = [f"{name} ({count})" for name, count, ok in dims if not ok(count, size)]
+    cut = [f"{name} ({count})" for name, count, ok in grouped if not ok(count, size)]
+    if uneven or cut:
+        works = [n for n in range(1, 65) if all(ok(count, n) for _, count, ok in dims + grouped)]
+        what = [f"{', '.join(uneven)} evenly"] if uneven else []
+        what += [f"{', '.join(cut)} into whole quantization groups of {group_size} per rank"] if cut else []
+        raise ValueError(f"tensor_parallel_size {size} does not split {'; nor '.join(what)}; "
                          f"sizes that work for this model: {', '.join(map(str, works))}")
 
 
@@ -115,6 +124,10 @@ def _divides(count: int, size: int) -> bool:
 
 def _divides_or_replicates(count: int, size: int) -> bool:
     return count % size == 0 or size % count == 0
+
+
+def _in_groups(group_size: int) -> Callable[[int, int], bool]:
+    return lambda count, size: count % group_size != 0 or count % (size * group_size) == 0
 
 
 def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], bool]]]:
@@ -129,3 +142,16 @@ def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], b
         dims += [("num_experts", cfg.num_experts, _divides),
                  ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, _divides)]
     return dims
+
+
+def _split_columns(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The input widths of the projections split by their input columns (the experts' are
+    whole on their rank)."""
+    widths = [("num_attention_heads x head_dim", cfg.num_attention_heads * cfg.head_dim),
+              ("linear_num_value_heads x linear_value_head_dim", cfg.value_dim)]
+    moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
+    if not all(moe):
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if any(moe):
+        widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+    return widths

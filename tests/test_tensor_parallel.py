@@ -1,7 +1,9 @@
 """Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
 TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
-preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next), head counts that do not split are refused before any process starts, and
-no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
+preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next, the experts split whole over the
+ranks), online int8 / int4 quantization gives TP=1's quantized tokens, head counts and splits
+that would cut quantization groups are refused before any process starts, and no worker
+outlives its engine: shutdown, a dead worker, the interpreter's exit."""
 
 import json
 import multiprocessing
@@ -18,6 +20,8 @@ import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.models.parallel import Split
+from hybrid_engine.quantization import Quantization
+from hybrid_engine.quantize_checkpoint import write_quantized
 
 from checkpoints import make_hf_model, save_checkpoint
 from engine_checks import assert_no_leak, budget_for_blocks
@@ -85,13 +89,13 @@ def _generate(llm: LLM, prompts, params):
             for o in outs]
 
 
-def _assert_same(tp1, tp2):
+def _assert_same(tp1, tp2, tolerance=1e-4):
     for a, b in zip(tp1, tp2, strict=True):
         for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
             assert tokens_a == tokens_b
             for pa, pb in zip(logprobs_a, logprobs_b, strict=True):
                 assert pa.keys() == pb.keys()
-                assert max(abs(pa[t] - pb[t]) for t in pa) < 1e-4
+                assert max(abs(pa[t] - pb[t]) for t in pa) < tolerance
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -196,7 +200,7 @@ def _weight_bytes(model, part: str = "") -> int:
     return total
 
 
-@pytest.mark.parametrize("quantization", [None])
+@pytest.mark.parametrize("quantization", [None, "int8"])
 def test_each_moe_rank_holds_half_the_experts(tmp_path, quantization):
     """Rank 0 of 2 holds experts 0 and 1 of 4, whole; with the heads and the shared expert
     halved too, only the router and shared_expert_gate (whole) keep it above half."""
@@ -216,6 +220,53 @@ def test_each_moe_rank_holds_half_the_experts(tmp_path, quantization):
     assert 0.5 < _weight_bytes(half) / _weight_bytes(whole) < 0.52
 
 
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    """Qwen3.5-MoE whose shared expert's down_proj input (64) halves into whole groups of 32."""
+    folder = tmp_path_factory.mktemp("tp_moe")
+    save_checkpoint(make_hf_model("qwen3_5_moe", full_attention_interval=2, shared_expert_intermediate_size=64), folder)
+    return folder
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("model, quantization", [("dense", "int8"), ("dense", "int4"), ("moe", "int8")])
+def test_quantized_tp2_gives_tp1_tokens(dense_ckpt, moe_ckpt, model, quantization, backend):
+    """Each rank quantizes its own part of each float weight: a row-split projection's groups
+    are the whole model's, so the ranks hold TP=1's quantized values (the experts each whole).
+    The native kernel (auto) rounds activations to int8, a step function: the all-reduce's other
+    order of sums (a float32 ulp) moves some roundings by a step, and the logprobs of this
+    random tiny model by up to a few hundredths (so does a 1e-7 relative change to o_proj's
+    output at TP=1); the torch backend's float activations keep them within 1e-4."""
+    folder = {"dense": dense_ckpt, "moe": moe_ckpt}[model]
+    prompts = _prompts(n=3, vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(folder), dtype="float32", kernel_backend=backend, quantization=quantization,
+                  tensor_parallel_size=size)
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    _assert_same(*runs, tolerance=1e-4 if backend == "torch" else 0.1)
+
+
+def test_a_split_that_cuts_quantization_groups_is_refused(tmp_path):
+    """The default tiny MoE's shared expert (32 rows) would leave each of 2 ranks half a group of
+    its down_proj's input columns."""
+    save_checkpoint(make_hf_model("qwen3_5_moe"), tmp_path)
+    before = _children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not split shared_expert_intermediate_size "
+                                         r"\(32\) into whole quantization groups of 32 per rank; "
+                                         r"sizes that work for this model: 1$"):
+        LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", quantization="int8", tensor_parallel_size=2))
+    assert _children() == before
+
+
+def test_a_checkpoint_stored_quantized_is_refused(dense_ckpt, tmp_path):
+    write_quantized(dense_ckpt, tmp_path / "int8", Quantization("int8"))
+    with pytest.raises(ValueError, match="is stored quantized: tensor_parallel_size > 1 takes float checkpoints"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "int8"), dtype="float32", tensor_parallel_size=2))
+
+
 def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp_path):
     before = _children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split num_attention_heads \(4\), "
@@ -230,8 +281,8 @@ def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
             EngineConfig(model=str(dense_ckpt), tensor_parallel_size=bad).validate()
-    with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), quantization yet"):
-        EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, quantization="int8",
+    with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), enable_torch_compile yet"):
+        EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, enable_torch_compile=True,
                      speculative_config={"num_speculative_tokens": 1}).validate()
 
 
