@@ -52,8 +52,8 @@ class EngineConfig:
     # Also checkpoint every this many tokens of a prefill (a multiple of block_size; None: no).
     prefix_checkpoint_interval: int | None = None
     # Tensor parallelism (hybrid_engine/tensor_parallel.py): the engine's process and N-1 workers it
-    # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights (or quantized
-    # online, each rank its own part), no MTP yet.
+    # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights, quantized
+    # online (each rank its own part) or GGUF files, no MTP yet.
     tensor_parallel_size: int = 1
 
     def validate(self) -> None:
@@ -113,8 +113,7 @@ class EngineConfig:
         unsupported = [what for what, used in (
             ("device other than cpu", torch.device(self.device).type != "cpu"),
             ("speculative_config (MTP)", self.speculative_config is not None),
-            ("enable_torch_compile", self.enable_torch_compile),
-            ("GGUF files", str(self.model or "").endswith(".gguf"))) if used]
+            ("enable_torch_compile", self.enable_torch_compile)) if used]
         if unsupported:
             raise ValueError(f"tensor_parallel_size > 1 does not support {', '.join(unsupported)} yet")
 

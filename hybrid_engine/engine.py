@@ -91,8 +91,9 @@ class LLMEngine:
         # Tensor parallelism: the workers start first and load their parts beside the driver's.
         self.tp_group = None
         if config.tensor_parallel_size > 1:
-            check_tensor_parallel(load_config(config.model), config.tensor_parallel_size,
-                                  tensor_parallel_group_size(config))
+            gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
+            check_tensor_parallel(gguf_file.config if gguf_file is not None else load_config(config.model),
+                                  config.tensor_parallel_size, tensor_parallel_group_size(config, gguf_file))
             self.tp_group = TensorParallelGroup(config, config.tensor_parallel_size)
         try:
             self._wire(config, k)

@@ -13,7 +13,7 @@ sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_
 on its own (models/mlp.py Experts: one SwiGLU of projection layers per expert after loading).
 A projection whose input width the group size does not divide stays float too, and the
 engine's log says which. Under tensor parallelism each rank quantizes its own part of each
-weight (`tensor_parallel_group_size`).
+weight, or takes its whole blocks of a GGUF file's (`tensor_parallel_group_size`).
 
 Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
 `CheckpointLayers` (compressed-tensors, GPTQ and FP8 folders; MoE experts too, per expert) and
@@ -261,14 +261,18 @@ def quantized_layers(config, float_method: LinearMethod, kernels, gguf_file=None
     return QuantizedLayers(scheme, float_method, native)
 
 
-def tensor_parallel_group_size(config) -> int | None:
+def tensor_parallel_group_size(config, gguf_file=None) -> int | None:
     """The group size whose groups tensor parallelism must keep whole (models/parallel.py
-    check_tensor_parallel): online quantization's, where each rank quantizes its own part of
-    each float weight; None for float weights. A checkpoint stored quantized is refused: its
-    packed tensors are not split by rank yet."""
+    check_tensor_parallel): a GGUF file's blocks where it holds quantized tensors (each rank
+    takes whole blocks of its rows and columns), else online quantization's, where each rank
+    quantizes its own part of each float weight; None for float weights. A folder stored
+    quantized is refused: its packed tensors are not split by rank yet."""
     from .checkpoint_formats import stored_quantization
-    if stored_quantization(config.model) is not None:
+    if gguf_file is not None and gguf_file.holds_quantized:
+        from .checkpoint_formats.gguf import GROUP
+        return GROUP
+    if gguf_file is None and stored_quantization(config.model) is not None:
         raise ValueError(f"{config.model} is stored quantized: tensor_parallel_size > 1 takes float checkpoints "
-                         "only yet (quantized online by each rank: quantization='int8' | 'int4')")
+                         "and GGUF files only yet (quantized online by each rank: quantization='int8' | 'int4')")
     scheme = parse_quantization(config.quantization, config.quantization_group_size)
     return None if scheme is None else scheme.group_size

@@ -268,13 +268,17 @@ def _serve_steps(rank: int, size: int, config) -> None:
     from hybrid_engine.models import load_model
     from hybrid_engine.state_cache import CachePools
 
+    from .checkpoint_formats.gguf import GgufFile, is_gguf
     from .quantization import quantized_layers
 
     kernels = make_backend(config.kernel_backend, config.device)
     method = kernels.linear_method(compiled=False, few_rows_copy=config.bf16_few_rows_copy)
-    # online quantization: each rank quantizes its own part of each weight, as the driver does
+    # the projections' methods chosen as the driver chooses them (online quantization: each rank
+    # quantizes its own part of each weight)
+    gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
     model, _ = load_model(config.model, config.dtype, config.device, method=method,
-                          methods=quantized_layers(config, method, kernels), tp=parallel_for(rank, size))
+                          methods=quantized_layers(config, method, kernels, gguf_file), source=gguf_file,
+                          tp=parallel_for(rank, size))
     channel = StepChannel()
     pools = CachePools(*channel.receive(), device=config.device)
     dist.barrier()

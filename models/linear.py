@@ -89,17 +89,23 @@ class Linear(nn.Module):
         shapes = self.method.checkpoint_tensors(self, prefix)
         if not self.splits:
             return shapes
-        return {name: self._split_of(name).full_shape(shape) for name, shape in shapes.items()}
+        full = {}
+        for name, shape in shapes.items():
+            split = self._split_of(name)
+            full[name] = split.per_entry(split.local_size() // shape[split.dim]).full_shape(shape)
+        return full
 
     def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
         """Takes one checkpoint tensor (a name of `checkpoint_shapes`), as the method holds it:
         under tensor parallelism the rank's part of it."""
         if self.splits:
-            loaded = self._split_of(name).take(loaded)
+            split = self._split_of(name)
+            loaded = split.per_entry(sum(split.segments) // loaded.shape[split.dim]).take(loaded)
         self.method.load_tensor(self, name, loaded)
 
     def _split_of(self, name: str) -> Split:
-        """The Split of checkpoint tensor `name` (`<...>.<shard>.weight`)."""
+        """The Split of checkpoint tensor `name` (`<...>.<shard>.<tensor>`); a tensor with fewer
+        entries than columns along its dim (group scales) is cut by `Split.per_entry`."""
         if self.shards is None:
             return self.splits[None]
         return self.splits[name.rpartition(".")[0].rpartition(".")[2]]

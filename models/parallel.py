@@ -59,6 +59,12 @@ class Split:
             start += size
         return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
+    def per_entry(self, columns: int) -> Split:
+        """The same cut of a tensor with one entry per `columns` of this one's along `dim` (a
+        quantized checkpoint's group scales beside its values): whole groups, as
+        `check_tensor_parallel` makes sure."""
+        return Split(self.dim, tuple(s // columns for s in self.segments), self.parts, self.index)
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -96,11 +102,12 @@ def shard_parameter(param: torch.nn.Parameter, split: Split) -> None:
 
 def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = None) -> None:
     """ValueError naming each dimension of `cfg` that tensor_parallel_size `size` cannot split
-    and the sizes that work (checked by the engine before any process starts). group_size:
-    online quantization's, where each rank quantizes its own part: the input columns of a
-    projection whose partial outputs the ranks sum (o_proj, out_proj, down_proj) must then split
-    into whole groups, or a rank's groups would not be the whole model's (where the width holds
-    no whole groups at all, the projection stays float at any size)."""
+    and the sizes that work (checked by the engine before any process starts). group_size: a
+    quantized model's (online quantization's, where each rank quantizes its own part; a GGUF
+    file's blocks): the input columns of a projection whose partial outputs the ranks sum
+    (o_proj, out_proj, down_proj) must then split into whole groups, or a rank's groups would
+    not be the whole model's (where the width holds no whole groups at all, the projection stays
+    float at any size)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if size == 1:

@@ -1,7 +1,7 @@
 """Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
 TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
 preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next, the experts split whole over the
-ranks), online int8 / int4 quantization gives TP=1's quantized tokens, head counts and splits
+ranks), online int8 / int4 quantization and GGUF files give TP=1's quantized tokens, head counts and splits
 that would cut quantization groups are refused before any process starts, and no worker
 outlives its engine: shutdown, a dead worker, the interpreter's exit."""
 
@@ -20,10 +20,12 @@ import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.models.parallel import Split
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.quantization import Quantization
 from hybrid_engine.quantize_checkpoint import write_quantized
 
 from checkpoints import make_hf_model, save_checkpoint
+from gguf_files import write_gguf
 from engine_checks import assert_no_leak, budget_for_blocks
 
 
@@ -267,6 +269,35 @@ def test_a_checkpoint_stored_quantized_is_refused(dense_ckpt, tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path / "int8"), dtype="float32", tensor_parallel_size=2))
 
 
+@pytest.mark.parametrize("family, qtype", [("qwen3_5", "Q8_0"), ("qwen3_next", "Q4_0")])
+def test_gguf_file_at_tp2_gives_tp1_tokens(tmp_path, family, qtype):
+    """Each rank takes whole blocks of a GGUF file's quantized projections: rows for the column
+    splits, values and scales cut at the same block for the row splits (o_proj, out_proj,
+    down_proj); experts whole. Value heads of 32: out_proj loads quantized (gguf.py)."""
+    save_checkpoint(make_hf_model(family, linear_value_head_dim=32, shared_expert_intermediate_size=64), tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "m.gguf", qtype)
+    prompts = _prompts(n=3, vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        layers = dict(llm.engine.model.named_modules())
+        for name in ("layers.0.linear_attn.out_proj", "layers.3.self_attn.o_proj", "layers.0.mlp.shared_expert.down_proj"
+                     if family == "qwen3_next" else "layers.0.mlp.down_proj"):
+            assert isinstance(layers[name].method, QuantizedLinearMethod), name
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    _assert_same(*runs)
+
+
+def test_gguf_blocks_a_split_would_cut_are_refused(tmp_path):
+    save_checkpoint(make_hf_model("qwen3_5_moe"), tmp_path)
+    path = write_gguf(tmp_path, tmp_path / "m.gguf", "Q8_0")
+    with pytest.raises(ValueError, match=r"does not split shared_expert_intermediate_size \(32\) into whole "
+                                         r"quantization groups of 32 per rank"):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+
+
 def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp_path):
     before = _children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split num_attention_heads \(4\), "
@@ -389,3 +420,4 @@ def test_split_takes_each_segment_s_part_and_pads():
     assert Split(0, (4, 2, 4), 2, 1).take(full).flatten().tolist() == [2, 3, 5, 8, 9]
     assert Split(0, (10,), 4, 3).take(full).flatten().tolist() == [9, 0, 0]
     assert Split(0, (4,), 2, 0).full_shape((2, 1)) == (4, 1)
+    assert Split(1, (64, 128), 2, 1).per_entry(32) == Split(1, (2, 4), 2, 1)        # group scales
