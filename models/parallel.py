@@ -57,7 +57,12 @@ class Split:
                 part = torch.cat([part, full.new_zeros(pad)], dim=self.dim)
             pieces.append(part)
             start += size
-        return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+        if len(pieces) > 1:
+            return torch.cat(pieces, dim=self.dim)
+        part = pieces[0].contiguous()
+        # a piece cut along the first dim is still a view, which would keep the whole tensor
+        # alive (stacked experts split by expert: every rank holding all of them)
+        return part.clone() if part.untyped_storage().nbytes() > part.numel() * part.element_size() else part
 
     def per_entry(self, columns: int) -> Split:
         """The same cut of a tensor with one entry per `columns` of this one's along `dim` (a

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from hybrid_engine.models.parallel import Split
+from hybrid_engine.models import load_model
+from hybrid_engine.models.parallel import Split, TensorParallel
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.quantization import Quantization
 from hybrid_engine.quantize_checkpoint import write_quantized
@@ -220,6 +221,19 @@ def test_each_moe_rank_holds_half_the_experts(tmp_path, quantization):
         assert sorted(name for name, _ in experts.named_children()) == ["0", "1"]
     assert _weight_bytes(half, ".experts") * 2 == _weight_bytes(whole, ".experts")
     assert 0.5 < _weight_bytes(half) / _weight_bytes(whole) < 0.52
+
+
+def test_a_rank_keeps_only_its_experts_memory(tmp_path):
+    """A rank's experts are cut from the stacked tensor along its first dim, a view where the
+    loader cast the tensor (bfloat16 file, float32 model): the rank copies its part, or the
+    view would keep every expert alive. Experts of 1 MiB and more are left where the loader
+    put them (models/qwen3_5.py _unpin_shared_storages), so these are that large."""
+    save_checkpoint(make_hf_model("qwen3_5_moe", hidden_size=256, moe_intermediate_size=512).to(torch.bfloat16),
+                    tmp_path)
+    model, _ = load_model(tmp_path, "float32", tp=TensorParallel(0, 2))
+    for experts in (layer.mlp.experts for layer in model.layers):
+        for stacked in (experts.gate_up_proj, experts.down_proj):
+            assert stacked.shape[0] == 2 and stacked.untyped_storage().nbytes() == stacked.nbytes >= 1 << 20
 
 
 @pytest.fixture(scope="module")
