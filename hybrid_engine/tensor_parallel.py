@@ -14,20 +14,29 @@ and the cache copies made since the last step (a fork's, a prefix hit's, a check
 ranks run the forward, joining in its all-reduces (o_proj, out_proj, down_proj or the MoE
 block) and in the gather of the logits on rank 0, where sampling happens.
 
-A worker that dies closes its sockets: the driver's next collective fails, and the step raises
-an error naming the dead workers (a worker that hangs instead fails it after COLLECTIVE_TIMEOUT).
-A driver that goes away ends its workers the same way, and `shutdown()` (LLM.shutdown, or the
-interpreter's exit: the workers are daemonic) ends them at once.
+Or the group is torchrun's (`TorchrunLaunch`: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+the environment; env:// init), so that it spans machines: every rank runs the user's script or
+command, rank 0's engine is the driver, and on every other rank the engine's constructor serves
+the driver's steps until the driver ends, then ends the process.
+
+A worker that dies closes its sockets: the driver's collective fails, and the step raises an
+error naming the dead workers (a worker that hangs instead fails it after COLLECTIVE_TIMEOUT).
+A failed step leaves the ranks out of step with each other, so the group is then broken: its
+workers are ended at once and the engine cannot go on (EngineDeadError: every request in flight
+fails, /health turns unhealthy). A driver that goes away ends its workers the same way, and
+`shutdown()` (LLM.shutdown, or the interpreter's exit: the workers are daemonic) ends them at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 from datetime import timedelta
 
@@ -130,9 +139,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class TorchrunLaunch:
+    """This process's place in a group that torchrun (or any launcher that sets the same
+    variables) started: every rank runs the same script, and joins by env:// init."""
+
+    rank: int
+    world_size: int
+
+    @staticmethod
+    def from_environment(tensor_parallel_size: int) -> TorchrunLaunch | None:
+        """None unless the environment names a group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
+        ValueError where it is not one of `tensor_parallel_size` ranks."""
+        names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if tensor_parallel_size == 1 or not all(name in os.environ for name in names):
+            return None
+        try:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise ValueError(f"RANK ({os.environ['RANK']!r}) and WORLD_SIZE ({os.environ['WORLD_SIZE']!r}) "
+                             "in the environment must be ints") from None
+        if world_size != tensor_parallel_size:
+            raise ValueError(f"the launcher's group has WORLD_SIZE {world_size} processes but "
+                             f"tensor_parallel_size is {tensor_parallel_size}: start one process per rank "
+                             f"(torchrun: --nnodes x --nproc-per-node = {tensor_parallel_size})")
+        return TorchrunLaunch(rank, world_size)
+
+
+def serve_if_worker_rank(config) -> None:
+    """On a rank > 0 of a torchrun group, the engine's constructor is this rank's part of the
+    model: it serves the driver's steps until the driver ends, then ends the process (exit code
+    0, or the error that ended it). Elsewhere it returns at once."""
+    launch = TorchrunLaunch.from_environment(config.tensor_parallel_size)
+    if launch is None or launch.rank == 0:
+        return
+    _check_model_for_workers(config)
+    dist.init_process_group("gloo", init_method="env://", rank=launch.rank, world_size=launch.world_size,
+                            timeout=WORKER_IDLE_TIMEOUT)
+    try:
+        _serve_steps(launch.rank, launch.world_size, config)
+    finally:
+        dist.destroy_process_group()
+    raise SystemExit(0)
+
+
+def _check_model_for_workers(config) -> None:
+    if config.model is None:
+        from .default_model import default_model_path
+        config.model = str(default_model_path())
+
+
 class TensorParallelGroup:
-    """The driver's side: the workers it started and the channel to them. config: the engine's
-    (its model resolved to a path), which each worker loads its part of the model from."""
+    """The driver's side: the workers it started (none under torchrun) and the channel to
+    them. config: the engine's (its model resolved to a path), which each worker loads its part
+    of the model from."""
 
     def __init__(self, config, size: int):
         if dist.is_initialized():
@@ -140,10 +200,23 @@ class TensorParallelGroup:
                                "engine not shut down?): one tensor-parallel engine per process")
         self._closed = True                    # until the group is up: nothing for shutdown to end
         self.size = size
+        self.broken: BaseException | None = None
+        self.workers = []
+        self.launch = TorchrunLaunch.from_environment(size)
+        if self.launch is not None:
+            dist.init_process_group("gloo", init_method="env://", rank=0, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        else:
+            self._spawn_workers(config)
+        self.channel = StepChannel()
+        self.parallel = parallel_for(0, size)
+        self._closed = False
+
+    def _spawn_workers(self, config) -> None:
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker_main, args=(rank, size, port, config), daemon=True,
-                                    name=f"hybrid-engine-tp{rank}") for rank in range(1, size)]
+        self.workers = [ctx.Process(target=_worker_main, args=(rank, self.size, port, config), daemon=True,
+                                    name=f"hybrid-engine-tp{rank}") for rank in range(1, self.size)]
         # One thread per worker (OpenMP reads it once, as torch starts in the child).
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -160,15 +233,11 @@ class TensorParallelGroup:
         except BaseException:
             self._stop_workers()
             raise
-        self.channel = StepChannel()
-        self.parallel = parallel_for(0, size)
-        self._closed = False
 
     def __del__(self) -> None:
         # An engine dropped without shutdown(): its workers go with it (not only at exit).
         if not self.__dict__.get("_closed", True):
             self.shutdown()
-
     def _join_group(self, port: int) -> None:
         """The driver's init_process_group, in a thread of its own while this one watches the
         workers: one that ends first (a script without the `__main__` guard, whose spawned
@@ -201,11 +270,28 @@ class TensorParallelGroup:
         """Each worker allocates a cache of `pools`' geometry for its heads; from now on the
         driver's pools log their copies for the workers to repeat."""
         pools.copies = []
-        try:
+        with self.exchange():
             self.channel.send(pools.geometry())
             dist.barrier()                     # every worker has loaded its part and its cache
-        except RuntimeError as e:
+
+    @contextlib.contextmanager
+    def exchange(self):
+        """Around the driver's part of anything the workers join (a step's message and
+        forward): whatever fails in it leaves the ranks out of step (a worker waits in a
+        collective the driver never reaches, or the other way round), so the group is broken
+        from then on and its workers are ended at once. The error raised names the workers
+        that died, where any did."""
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
+        try:
+            yield
+        except BaseException as e:
             dead = self.dead_workers()
+            if dead is None and self.launch is not None and isinstance(e, RuntimeError):
+                dead = RuntimeError(f"a collective of the torchrun group failed (a rank ended?): {e}")
+            self.broken = dead or e
+            for worker in self.workers:
+                worker.kill()
             if dead is None:
                 raise
             raise dead from e
@@ -223,8 +309,12 @@ class TensorParallelGroup:
         failed collective reports in place of gloo's own."""
         for worker in self.workers:            # a worker's sockets close a moment before it is gone
             worker.join(DEATH_GRACE_S)
-        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
-        return RuntimeError(f"tensor-parallel worker {', '.join(dead)} has died") if dead else None
+        dead = [f"rank {rank} ({_ending(w.exitcode)})" for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        if not dead:
+            return None
+        # One killed worker makes the others' collectives fail, and they end too (exit code 1).
+        return RuntimeError(f"tensor-parallel worker {dead[0]} has died" if len(dead) == 1 else
+                            f"tensor-parallel workers have died: {', '.join(dead)}")
 
     def shutdown(self) -> None:
         """Ends the workers (a last message where they can take it, then their processes)."""
@@ -232,7 +322,7 @@ class TensorParallelGroup:
             return
         self._closed = True
         try:
-            if all(w.is_alive() for w in self.workers):
+            if self.broken is None and all(w.is_alive() for w in self.workers):
                 self.channel.send(None)
         except Exception:
             pass                               # a broken group: the workers are ended below
@@ -248,6 +338,12 @@ class TensorParallelGroup:
                 worker.join(SHUTDOWN_JOIN_S)
 
 
+def _ending(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
 def _worker_main(rank: int, size: int, port: int, config) -> None:
     """A worker: its part of the model and of the cache, then the forward of every step the
     driver sends, until it sends None."""
@@ -259,6 +355,12 @@ def _worker_main(rank: int, size: int, port: int, config) -> None:
                             timeout=WORKER_IDLE_TIMEOUT)
     try:
         _serve_steps(rank, size, config)
+    except RuntimeError as e:
+        if "gloo/transport" not in str(e):     # a fault of this worker's: its traceback
+            raise
+        # Another rank has gone (the driver saw it too and reports it): one line, not a traceback.
+        print(f"hybrid-engine tensor-parallel worker rank {rank}: the group failed, ending ({e})", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 
@@ -293,11 +395,6 @@ class TensorParallelSteps(EagerSteps):
         self.group = group
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
+        with self.group.exchange():
             self.group.send_step(inputs, self.caches)
             return super().forward(inputs)
-        except RuntimeError as e:
-            dead = self.group.dead_workers()
-            if dead is None:
-                raise
-            raise dead from e

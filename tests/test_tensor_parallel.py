@@ -225,11 +225,81 @@ def test_a_dead_worker_fails_the_next_step_at_once(dense_ckpt):
     (pid,) = _worker_pids(llm)
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(exit code -9\) has died"):
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(killed by SIGKILL\) has died"):
         llm.generate([[4, 5, 6]], params, use_tqdm=False)
     assert time.monotonic() - start < 10
     llm.shutdown()
     assert not {pid} & _children()
+
+
+def test_a_worker_killed_mid_generation_ends_the_engine_within_seconds(four_way_ckpt):
+    """TP=4: rank 2 dies while two requests decode and one waits: every caller gets the error
+    naming it within seconds, the other workers end, /health turns unhealthy, and the engine
+    refuses new requests at once."""
+    import httpx
+    from hybrid_engine import EngineDeadError
+    from serve_support import running_server
+
+    llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=2,
+              tensor_parallel_size=4)
+    pids = _worker_pids(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    with running_server(llm) as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        streams = [iter(llm.loop.submit(prompt, params)) for prompt in _prompts(3)]
+        next(streams[0])                         # decoding has begun
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match=r"rank 2 \(killed by SIGKILL\)"):
+                for _ in stream:
+                    pass
+        assert time.monotonic() - start < 10
+        assert httpx.get(server.url + "/health").status_code == 503
+    deadline = time.monotonic() + 5
+    while set(pids) & _children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(pids) & _children()
+    with pytest.raises(EngineDeadError):
+        llm.generate([[1, 2]], params, use_tqdm=False)
+    llm.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def test_two_nodes_under_torchrun_give_tp1_tokens(dense_ckpt):
+    """Two torchrun launches on 127.0.0.1 standing for two machines (--nnodes 2, one process
+    each, env:// init): rank 0 drives and prints, rank 1 serves its half and ends with it."""
+    def generate(*launch, tp=2):
+        return [sys.executable, *launch, "-m", "hybrid_engine.cli", "generate", "--model", str(dense_ckpt),
+                "--dtype", "float32", "--kernel-backend", "torch", "--json", "--max-tokens", "6", "--ignore-eos",
+                "--temperature", "0", "--tensor-parallel-size", str(tp), "3 14 15 92", "7 7 7"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = str(_free_port())
+    nodes = [subprocess.Popen(generate("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+                                       "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (1, 0)]
+    (out1, err1), (out0, err0) = (node.communicate(timeout=120) for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], err0 + err1
+    assert out1 == ""                                # rank 1 only served
+    single = subprocess.run(generate(tp=1), capture_output=True, text=True, timeout=120, env=env)
+    assert single.returncode == 0, single.stderr
+    tokens = [[json.loads(line)["token_ids"] for line in out.splitlines()] for out in (out0, single.stdout)]
+    assert len(tokens[0]) == 2 and tokens[0] == tokens[1]
+
+
+def test_a_launcher_group_of_another_size_is_refused(dense_ckpt, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="WORLD_SIZE 3 processes but tensor_parallel_size is 2"):
+        LLM(model=str(dense_ckpt), kernel_backend="torch", tensor_parallel_size=2)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_workers_end_with_the_interpreter(dense_ckpt):
