@@ -333,6 +333,23 @@ def test_generate_command_at_tp2(dense_ckpt):
     assert generate("--tensor-parallel-size", "2") == generate()
 
 
+def test_inspect_shows_each_rank_and_its_share(dense_ckpt):
+    def ranks(tp):
+        done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "inspect", "--model", str(dense_ckpt),
+                               "--kernel-backend", "torch", "--tensor-parallel-size", str(tp), "--step", "2",
+                               "--json", "-", "1 2 3"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["steps"][-1]["ranks"]
+
+    (whole,), (first, second) = ranks(1), ranks(2)
+    assert [first["role"], second["role"]] == ["driver", "worker"] and first["pid"] != second["pid"]
+    for key in ("attention_heads", "kv_heads", "gdn_value_heads"):
+        assert first[key] == second[key] == whole[key] // 2
+    # The byte budget is each rank's: its heads take half the bytes per block, so twice the blocks.
+    assert first["cache_bytes"] == second["cache_bytes"] <= whole["cache_bytes"]
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_workers_end_when_the_driver_is_killed_or_interrupted(dense_ckpt, how):
     script = textwrap.dedent(f"""
