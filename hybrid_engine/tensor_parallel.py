@@ -217,9 +217,13 @@ class TensorParallelGroup:
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=_worker_main, args=(rank, self.size, port, config), daemon=True,
                                     name=f"hybrid-engine-tp{rank}") for rank in range(1, self.size)]
-        # One thread per worker (OpenMP reads it once, as torch starts in the child).
+        # The process's cores shared out: each rank, the driver too, runs torch.get_num_threads()
+        # // N threads (OpenMP reads a worker's once, as torch starts in the child), so that
+        # the ranks do not outnumber the cores.
+        threads = max(1, torch.get_num_threads() // self.size)
+        torch.set_num_threads(threads)
         saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
             for worker in self.workers:
                 worker.start()
@@ -350,7 +354,6 @@ def _worker_main(rank: int, size: int, port: int, config) -> None:
     # Ctrl-C at a terminal reaches the whole process group: the driver alone handles it, and
     # ends its workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=WORKER_IDLE_TIMEOUT)
     try:
