@@ -38,14 +38,18 @@ def rss_mb(pid: int | str = "self") -> float:
 
 class CollectiveTimer:
     """The driver's time inside torch.distributed's all_reduce and gather (the forward's
-    collectives, looked up at call time by hybrid_engine/tensor_parallel.py)."""
+    collectives, looked up at call time by hybrid_engine/tensor_parallel.py) and in sending
+    each step's message (StepChannel.send: its pickling and broadcast)."""
 
     def __init__(self):
         import torch.distributed as dist
-        self.seconds = {"all_reduce": 0.0, "gather": 0.0}
-        self.calls = {"all_reduce": 0, "gather": 0}
-        for name in self.seconds:
+
+        from hybrid_engine.tensor_parallel import StepChannel
+        self.seconds = {"all_reduce": 0.0, "gather": 0.0, "send": 0.0}
+        self.calls = dict.fromkeys(self.seconds, 0)
+        for name in ("all_reduce", "gather"):
             setattr(dist, name, self._timed(name, getattr(dist, name)))
+        StepChannel.send = self._timed("send", StepChannel.send)
 
     def _timed(self, name, fn):
         def call(*args, **kwargs):
@@ -99,6 +103,7 @@ def one_size(args) -> dict:
                 steps = args.steps + 1                      # the prefill step's collectives are counted too
                 r["all_reduce_ms_per_step"] = 1e3 * timer.seconds["all_reduce"] / steps
                 r["gather_ms_per_step"] = 1e3 * timer.seconds["gather"] / steps
+                r["send_ms_per_step"] = 1e3 * timer.seconds["send"] / steps
                 r["all_reduces_per_step"] = timer.calls["all_reduce"] / steps
             runs.append(r)
         result[f"decode_b{b}"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -125,6 +130,68 @@ def bare_all_reduce(rank: int, port: int, shapes, dtype_name: str, repeats: int,
         figures[f"{rows}x{hidden}"] = 1e6 * (time.perf_counter() - t0) / repeats
     if rank == 0:
         out.put(figures)
+    dist.destroy_process_group()
+
+
+def shm_handoff(rank: int, buffer, barrier, repeats: int, out) -> None:
+    """A step message handed over in shared memory instead: rank 0 writes the buffer, both
+    pass a barrier, rank 1 reads it, both pass another."""
+    import torch
+    torch.set_num_threads(1)
+    local = torch.ones_like(buffer)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        if rank == 0:
+            buffer.copy_(local)
+        barrier.wait()
+        if rank == 1:
+            local.copy_(buffer)
+        barrier.wait()
+    if rank == 0:
+        out.put(1e6 * (time.perf_counter() - t0) / repeats)
+
+
+def message_cost(message_bytes: int) -> dict:
+    """Microseconds to hand one step message of `message_bytes` to one other process: the
+    engine's broadcast (gloo) against a shared-memory buffer with a barrier."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from hybrid_engine.tensor_parallel import _free_port
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    buffer = torch.zeros(message_bytes, dtype=torch.uint8).share_memory_()
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=shm_handoff, args=(r, buffer, barrier, 2000, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    shm = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    port = _free_port()
+    procs = [ctx.Process(target=bare_broadcast, args=(r, port, message_bytes, 2000, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    broadcast = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return {"broadcast_us": broadcast, "shared_memory_us": shm}
+
+
+def bare_broadcast(rank: int, port: int, message_bytes: int, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = torch.zeros(message_bytes, dtype=torch.uint8)
+    for _ in range(20):
+        dist.broadcast(t, 0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dist.broadcast(t, 0)
+    if rank == 0:
+        out.put(1e6 * (time.perf_counter() - t0) / repeats)
     dist.destroy_process_group()
 
 
@@ -177,6 +244,8 @@ def main() -> None:
     config = json.loads((Path(args.model) / "config.json").read_text())
     text_config = config.get("text_config", config)
     link = link_cost(text_config["hidden_size"], args.dtype, args.batches)
+    from hybrid_engine.tensor_parallel import STEP_MESSAGE_BYTES
+    message = message_cost(STEP_MESSAGE_BYTES)
 
     print(f"{args.model}, {args.dtype}, CPU level {cpu_level()}, {args.threads} cores in all, medians of {args.runs}")
     base = results[0]
@@ -193,17 +262,21 @@ def main() -> None:
                 line += (f"; driver in all-reduce {d['all_reduce_ms_per_step']:.2f} ms/step "
                          f"({d['all_reduces_per_step']:.0f} calls, "
                          f"{1e3 * d['all_reduce_ms_per_step'] / r['layers']:.0f} us per layer), "
-                         f"in the logits gather {d['gather_ms_per_step']:.2f} ms/step")
+                         f"in the logits gather {d['gather_ms_per_step']:.2f} ms/step, "
+                         f"sending the step {d['send_ms_per_step']:.2f} ms/step")
             print(line)
         print(f"  prefill {PREFILL_LEN}: {r['prefill']['tok_s']:8.1f} tok/s "
               f"({r['prefill']['tok_s'] / base['prefill']['tok_s']:.2f}x TP={base['size']})")
     print("bare all-reduce between two 1-thread processes (gloo, 127.0.0.1): " +
           ", ".join(f"[{shape}] {us:.0f} us" for shape, us in link.items()))
+    print(f"one step message ({STEP_MESSAGE_BYTES >> 10} KiB) to the other process: broadcast "
+          f"{message['broadcast_us']:.0f} us, shared memory and a barrier {message['shared_memory_us']:.0f} us")
     print(f"load average {load_start:.2f} -> {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
                                          "cpu_level": cpu_level(), "model": args.model, "dtype": args.dtype,
-                                         "results": results, "bare_all_reduce_us": link}, indent=1))
+                                         "results": results, "bare_all_reduce_us": link,
+                                         "step_message_us": message}, indent=1))
 
 
 if __name__ == "__main__":
