@@ -350,7 +350,7 @@ def test_inspect_shows_each_rank_and_its_share(dense_ckpt):
     assert first["cache_bytes"] == second["cache_bytes"] <= whole["cache_bytes"]
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 def test_workers_end_when_the_driver_is_killed_or_interrupted(dense_ckpt, how):
     script = textwrap.dedent(f"""
         import time
