@@ -52,7 +52,7 @@ class EngineConfig:
     # Also checkpoint every this many tokens of a prefill (a multiple of block_size; None: no).
     prefix_checkpoint_interval: int | None = None
     # Tensor parallelism (hybrid_engine/tensor_parallel.py): the engine's process and N-1 workers it
-    # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights, no MTP yet.
+    # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights.
     tensor_parallel_size: int = 1
 
     def validate(self) -> None:
@@ -111,7 +111,6 @@ class EngineConfig:
             return
         unsupported = [what for what, used in (
             ("device other than cpu", torch.device(self.device).type != "cpu"),
-            ("speculative_config (MTP)", self.speculative_config is not None),
             ("quantization", self.quantization is not None),
             ("enable_torch_compile", self.enable_torch_compile),
             ("GGUF files", str(self.model or "").endswith(".gguf"))) if used]

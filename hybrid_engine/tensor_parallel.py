@@ -7,12 +7,18 @@ model (models/parallel.py: heads, MLP rows, vocabulary rows) and holds a cache o
 geometry (blocks, slots, checkpoint entries) for its own heads only, so the driver's block
 tables and slot numbers mean the same on every rank and admission is decided once, by the driver.
 
-Each step the driver sends every worker one message (`StepChannel`: one broadcast of a fixed
-buffer, a second only for a message that overflows it): the step's input ids, its ForwardBatch
-and the cache copies made since the last step (a fork's, a prefix hit's, a checkpoint's:
-`CachePools.copies`), which the workers repeat on their own pools before the forward. Then all
-ranks run the forward, joining in its all-reduces (o_proj, out_proj, down_proj or the MoE
-block) and in the gather of the logits on rank 0, where sampling happens.
+Before each computation over the model the driver sends every worker one message (`StepChannel`:
+one broadcast of a fixed buffer, a second only for a message that overflows it): its kind, the
+cache copies made since the last message (a fork's, a prefix hit's, a checkpoint's:
+`CachePools.copies`), which the workers repeat on their own pools first, and the computation's
+inputs. Then all ranks run it, joining in its all-reduces (o_proj, out_proj, down_proj or the
+MoE block) and in the gather of the logits on rank 0, where sampling happens. The kinds are
+the driver's execution strategy's calls (`TensorParallelSteps`): "forward" (a step: its input
+ids, its ForwardBatch and the prompt rows that prompt_logprobs scores after it), and with MTP
+"draft" (the catch-up pass and the draft passes, whose drafts rank 0 takes from the gathered
+logits and broadcasts to every rank for the next pass: spec_decode/draft_passes.py) and
+"catch_up" (the catch-up pass alone). The MTP passes read the target's hidden rows, which the
+driver sends too: every rank then drafts from the same rows, whatever the rounding of their sums.
 
 Or the group is torchrun's (`TorchrunLaunch`: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
 the environment; env:// init), so that it spans machines: every rank runs the user's script or
@@ -45,7 +51,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_engine.models.parallel import TensorParallel
+from hybrid_engine.request_grammar import DraftMasks
+from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
+from .draft_inputs import DraftInputs
 from .model_runner import EagerSteps
 from .prompt_logprobs import row_pieces
 from .step_inputs import StepInputs
@@ -280,8 +289,8 @@ class TensorParallelGroup:
 
     @contextlib.contextmanager
     def exchange(self):
-        """Around the driver's part of anything the workers join (a step's message and
-        forward): whatever fails in it leaves the ranks out of step (a worker waits in a
+        """Around the driver's part of anything the workers join (a message and its
+        computation): whatever fails in it leaves the ranks out of step (a worker waits in a
         collective the driver never reaches, or the other way round), so the group is broken
         from then on and its workers are ended at once. The error raised names the workers
         that died, where any did."""
@@ -300,13 +309,11 @@ class TensorParallelGroup:
                 raise
             raise dead from e
 
-    def send_step(self, inputs: StepInputs, pools) -> None:
-        """The step's message: its input ids, its ForwardBatch (the workers use their own kernel
-        backend), the cache copies since the last step, and the rows that prompt_logprobs
-        scores after the forward (their lm_head products gather too)."""
+    def send(self, kind: str, args: tuple, pools) -> None:
+        """The message of a computation of `kind` (a method of the workers' `_WorkerSteps`) on
+        `args`, after the cache copies since the last message."""
         copies, pools.copies = pools.copies, []
-        prompt_rows = [(span.first_row, span.num_rows) for span in inputs.prompt_rows]
-        self.channel.send((inputs.input_ids, dataclasses.replace(inputs.batch, kernels=None), copies, prompt_rows))
+        self.channel.send((kind, copies, args))
 
     def dead_workers(self) -> RuntimeError | None:
         """The error that names the workers that have died (None while all live): what a
@@ -349,8 +356,8 @@ def _ending(exitcode: int | None) -> str:
 
 
 def _worker_main(rank: int, size: int, port: int, config) -> None:
-    """A worker: its part of the model and of the cache, then the forward of every step the
-    driver sends, until it sends None."""
+    """A worker: its part of the model and of the cache, then every computation the driver
+    sends, until it sends None."""
     # Ctrl-C at a terminal reaches the whole process group: the driver alone handles it, and
     # ends its workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -375,29 +382,84 @@ def _serve_steps(rank: int, size: int, config) -> None:
 
     kernels = make_backend(config.kernel_backend, config.device)
     method = kernels.linear_method(compiled=False, few_rows_copy=config.bf16_few_rows_copy)
-    model, _ = load_model(config.model, config.dtype, config.device, method=method, tp=parallel_for(rank, size))
+    # speculative_config: validated by the driver before it started this worker (MTP, k >= 1)
+    model, _ = load_model(config.model, config.dtype, config.device, with_mtp=config.speculative_config is not None,
+                          method=method, tp=parallel_for(rank, size))
     channel = StepChannel()
     pools = CachePools(*channel.receive(), device=config.device)
     dist.barrier()
+    steps = _WorkerSteps(model, pools, kernels)
     with torch.inference_mode():
         while (message := channel.receive()) is not None:
-            input_ids, batch, copies, prompt_rows = message
-            for name, args in copies:
-                getattr(pools, name)(*args)
-            hidden, _ = model.forward_step(input_ids, dataclasses.replace(batch, kernels=kernels), pools)
-            for index in row_pieces(prompt_rows, model.cfg.vocab_size, hidden.device):
-                model.compute_logits(hidden[index])
+            kind, copies, args = message
+            for name, copy_args in copies:
+                getattr(pools, name)(*copy_args)
+            getattr(steps, kind)(*args)
+
+
+def _share_drafts(drafts: torch.Tensor) -> torch.Tensor:
+    """A draft pass's drafts [D], rank 0's on every rank. Rank 0 alone has the pass's whole
+    logits (and the grammar masks, which it alone walks), so it alone takes the argmax and
+    broadcasts D token ids: simpler and smaller than an all-gather of the [D, V] logits for
+    every rank to take the same argmax."""
+    dist.broadcast(drafts, 0)
+    return drafts
+
+
+class _WorkerSteps(EagerSteps):
+    """A worker's side of each message kind: the driver's `TensorParallelSteps` call of that name,
+    on this rank's part of the model and cache (its own kernel backend put back in each batch)."""
+
+    def __init__(self, model, caches, kernels):
+        super().__init__(model, caches)
+        self.kernels = kernels
+
+    def forward(self, input_ids: torch.Tensor, batch, prompt_rows: list[tuple[int, int]]) -> None:
+        hidden, _ = self.model.forward_step(input_ids, dataclasses.replace(batch, kernels=self.kernels), self.caches)
+        for index in row_pieces(prompt_rows, self.model.cfg.vocab_size, hidden.device):
+            self.model.compute_logits(hidden[index])     # prompt_logprobs' rows: their logits gather too
+
+    def draft(self, d: DraftInputs, passes: DraftPasses) -> None:
+        super().draft(self._local(d), dataclasses.replace(passes, share=_share_drafts))
+
+    def catch_up(self, d: DraftInputs) -> None:
+        super().catch_up(self._local(d))
+
+    def _local(self, d: DraftInputs) -> DraftInputs:
+        return dataclasses.replace(d, batch=dataclasses.replace(d.batch, kernels=self.kernels))
 
 
 class TensorParallelSteps(EagerSteps):
-    """The driver's execution strategy (hybrid_engine/model_runner.py): each step's message to
-    the workers, then its own part of the forward, eagerly."""
+    """The driver's execution strategy (hybrid_engine/model_runner.py): each computation's message
+    to the workers, then its own part of it, eagerly."""
 
     def __init__(self, model, caches, group: TensorParallelGroup):
         super().__init__(model, caches)
         self.group = group
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        # The workers use their own kernel backend; the rows that prompt_logprobs scores after
+        # the forward gather their logits too (hybrid_engine/prompt_logprobs.py).
+        prompt_rows = [(span.first_row, span.num_rows) for span in inputs.prompt_rows]
         with self.group.exchange():
-            self.group.send_step(inputs, self.caches)
+            self.group.send("forward", (inputs.input_ids, _portable(inputs.batch), prompt_rows), self.caches)
             return super().forward(inputs)
+
+    def draft(self, d: DraftInputs, passes: DraftPasses, masks: DraftMasks | None = None) -> torch.Tensor:
+        with self.group.exchange():
+            self.group.send("draft", (_portable_draft(d), passes), self.caches)
+            return super().draft(d, dataclasses.replace(passes, share=_share_drafts), masks)
+
+    def catch_up(self, d: DraftInputs) -> None:
+        with self.group.exchange():
+            self.group.send("catch_up", (_portable_draft(d),), self.caches)
+            super().catch_up(d)
+
+
+def _portable(batch):
+    """A ForwardBatch as a message carries it: without the driver's kernel backend."""
+    return dataclasses.replace(batch, kernels=None)
+
+
+def _portable_draft(d: DraftInputs) -> DraftInputs:
+    return dataclasses.replace(d, batch=_portable(d.batch))

@@ -1,7 +1,8 @@
 """Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
 TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
-preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next), head counts that do not split are refused before any process starts, and
-no worker outlives its engine: shutdown, a dead worker, the interpreter's exit."""
+preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next; with MTP drafts too), head
+counts that do not split are refused before any process starts, and no worker outlives its
+engine: shutdown, a dead worker, the interpreter's exit."""
 
 import json
 import multiprocessing
@@ -16,17 +17,30 @@ import time
 import pytest
 import torch
 
-from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from hybrid_engine.models.parallel import Split
 
-from checkpoints import make_hf_model, save_checkpoint
+from checkpoints import make_hf_model, save_checkpoint, save_tokenizer
 from engine_checks import assert_no_leak, budget_for_blocks
+from spec_models import make_spec_checkpoint
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def dense_ckpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp_dense")
     save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    """A checkpoint whose MTP head drafts well enough that steps accept some drafts and reject
+    others (tests/support/spec_models.py), with a tokenizer for a constrained request."""
+    folder = make_spec_checkpoint(tmp_path_factory.mktemp("tp_mtp"), "qwen3_5", embed_scale=1.6,
+                                  full_attention_interval=2)
+    save_tokenizer(folder, vocab_size=256)
     return folder
 
 
@@ -117,6 +131,32 @@ def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
     _assert_same(runs[1][0], runs[1][1])
 
 
+def test_tp2_with_mtp_gives_tp1_tokens_logprobs_and_drafts(mtp_ckpt):
+    """k=2 drafts from the MTP head split over the ranks (its KV pool too), each draft pass's
+    drafts broadcast from rank 0: greedy, seeded sampled, grammar-constrained (masked drafts)
+    and n=2 requests, chunked prefill, prompt_logprobs, and a second round of prefix hits (the
+    MTP layer's entry from the checkpoint's hidden state). The same drafts are accepted."""
+    prompts = _prompts(vocab=256)
+    constrained = StructuredOutputsParams(regex=r"[a-f]{3}-[0-9]{2,4}")
+    params = [SamplingParams(temperature=0.8 if i == 3 else 0.0, seed=7 if i == 3 else None, max_tokens=10 + i,
+                             ignore_eos=i != 1, logprobs=2, n=1 + (i == 2), prompt_logprobs=2 if i == 0 else None,
+                             structured_outputs=constrained if i == 1 else None)
+              for i in range(len(prompts))]
+    runs, stats = [], []
+    for size in (1, 2):
+        llm = LLM(model=str(mtp_ckpt), dtype="float32", kernel_backend="auto", max_num_seqs=8,
+                  max_num_batched_tokens=40, speculative_config=MTP, tensor_parallel_size=size)
+        llm.engine.grammar_compiler.submit(constrained).result()    # compiled before: the same schedules
+        runs.append((_generate(llm, prompts, params), _generate(llm, prompts, params)))
+        assert llm.engine.prefix_cache_stats["hits"] > 0
+        assert_no_leak(llm.engine)
+        stats.append(llm.engine.spec_stats.as_dict())
+        llm.shutdown()
+    _assert_same(runs[0][0], runs[1][0])
+    _assert_same(runs[0][1], runs[1][1])
+    assert stats[0] == stats[1] and 0 < stats[1]["num_accepted"] < stats[1]["num_drafted"]
+
+
 def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
     def sizes(size):
         engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
@@ -132,19 +172,22 @@ def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
     assert (half[1] * 2, half[2] * 2) == whole[1:]
 
 
-def test_tp2_with_preemption(dense_ckpt):
+@pytest.mark.parametrize("spec", [None, MTP], ids=["plain", "mtp"])
+def test_tp2_with_preemption(dense_ckpt, mtp_ckpt, spec):
+    """With MTP, a preempted request's drafts and MTP KV start again from its recomputed prompt."""
+    folder = str(dense_ckpt if spec is None else mtp_ckpt)
     prompts = _prompts(n=8, lo=20, hi=90, vocab=256, seed=1)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    alone = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = LLM(model=folder, dtype="float32", kernel_backend="torch", enable_prefix_caching=False)
     want = [o.token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
     alone.shutdown()
-    probe = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
-                                   tensor_parallel_size=2))
-    budget = budget_for_blocks(probe, 20)           # per rank: 8 requests need up to 8 x 7 blocks
+    probe = LLMEngine(EngineConfig(model=folder, dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                                   speculative_config=spec, tensor_parallel_size=2))
+    budget = budget_for_blocks(probe, 16)           # per rank: 8 requests need up to 8 x 8 blocks
     probe.shutdown()
-    tight = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
-                cache_memory_bytes=budget, tensor_parallel_size=2)
-    assert tight.engine.cache.num_blocks == 20
+    tight = LLM(model=folder, dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                cache_memory_bytes=budget, speculative_config=spec, tensor_parallel_size=2)
+    assert tight.engine.cache.num_blocks == 16
     assert [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == want
     assert tight.engine.num_preemptions > 0
     tight.shutdown()
@@ -165,16 +208,21 @@ def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, 
     _assert_same(*runs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family):
+@pytest.mark.parametrize("family, spec", [("qwen3_next", None), ("qwen3_5_moe", MTP)])
+def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, spec):
     """The experts and the shared expert split by their intermediate rows, the router whole;
-    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them."""
-    save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
+    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them.
+    Qwen3.5-MoE drafts with its MTP head, whose MoE block splits like the target's."""
+    if spec is None:
+        save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
+    else:
+        make_spec_checkpoint(tmp_path, family, embed_scale=1.6, full_attention_interval=2)
     prompts = _prompts(n=3, vocab=256)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     runs = []
     for size in (1, 2):
-        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", speculative_config=spec,
+                  tensor_parallel_size=size)
         runs.append(_generate(llm, prompts, params))
         llm.shutdown()
     _assert_same(*runs)
@@ -194,9 +242,9 @@ def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
             EngineConfig(model=str(dense_ckpt), tensor_parallel_size=bad).validate()
-    with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), quantization yet"):
+    with pytest.raises(ValueError, match=r"does not support quantization, enable_torch_compile yet"):
         EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, quantization="int8",
-                     speculative_config={"num_speculative_tokens": 1}).validate()
+                     enable_torch_compile=True).validate()
 
 
 def test_shutdown_ends_the_workers(dense_ckpt):
