@@ -18,7 +18,11 @@ ids, its ForwardBatch and the prompt rows that prompt_logprobs scores after it),
 "draft" (the catch-up pass and the draft passes, whose drafts rank 0 takes from the gathered
 logits and broadcasts to every rank for the next pass: spec_decode/draft_passes.py) and
 "catch_up" (the catch-up pass alone). The MTP passes read the target's hidden rows, which the
-driver sends too: every rank then drafts from the same rows, whatever the rounding of their sums.
+driver sends too: every rank then drafts from the same rows, whatever the rounding of their sums,
+and a prefix hit's row comes from the checkpoint's hidden state, which rank 0 alone keeps.
+Every other cache change of MTP's is a forward's write or one of the logged copies (the copy of
+a prefix hit's last block, which the MTP layer writes again); a verify's rewind is the slot
+ids that rank 0 swaps and sends in later batches.
 
 Or the group is torchrun's (`TorchrunLaunch`: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
 the environment; env:// init), so that it spans machines: every rank runs the user's script or
@@ -66,7 +70,9 @@ WORKER_IDLE_TIMEOUT = timedelta(days=365)
 # A step's message is one broadcast of this many bytes, a second one only for a longer message.
 # Measured on the tests' tiny model: a step of 16 decodes is 4 KB on the cpu backend (60 KB on the
 # torch backend, whose attention gather indices cross too); a prefill of 16 prompts of up to 200
-# tokens 450 KB (its attention masks), so two broadcasts.
+# tokens 450 KB (its attention masks), so two broadcasts. A drafting call's message carries the
+# target's hidden rows besides: after 16 verifies at k=2, 48 rows of H (12 KB at the tiny model's
+# H=64 in float32; 96 KB, two broadcasts, at H=1024 in bfloat16).
 STEP_MESSAGE_BYTES = 64 << 10
 _LENGTH_BYTES = 8
 SHUTDOWN_JOIN_S = 5.0
