@@ -5,8 +5,8 @@ decoder layer with its own paged KV -> norm. The embedding and lm_head are the m
 
 Under tensor parallelism (models/parallel.py) the decoder layer is split like the main model's
 (its KV pool holds the rank's KV heads) and fc is whole on every rank: split, it would need one
-more all-reduce (or all-gather) of [T, H] in every draft pass, each a round trip between the
-processes, to save 2H x H weights per rank.
+more all-reduce (or all-gather) of its output in every draft pass, each a round trip between
+the processes, to save a share of one projection's weights.
 """
 
 from __future__ import annotations
