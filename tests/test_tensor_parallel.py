@@ -208,7 +208,8 @@ def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, 
     _assert_same(*runs)
 
 
-@pytest.mark.parametrize("family, spec", [("qwen3_next", None), ("qwen3_5_moe", MTP)])
+@pytest.mark.parametrize("family, spec", [("qwen3_next", None), ("qwen3_5_moe", MTP)],
+                         ids=["qwen3_next", "qwen3_5_moe-mtp"])
 def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, spec):
     """The experts and the shared expert split by their intermediate rows, the router whole;
     Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them.
