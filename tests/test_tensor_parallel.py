@@ -382,6 +382,20 @@ def test_generate_command_at_tp2(dense_ckpt):
     assert generate("--tensor-parallel-size", "2") == generate()
 
 
+def test_bench_command_at_tp2_runs_each_k_in_turn(mtp_ckpt, tmp_path):
+    """One tensor-parallel engine per process: bench builds, runs and ends one per k."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _prompts(3, vocab=256)))
+    done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "bench", "--model", str(mtp_ckpt),
+                           "--dtype", "float32", "--prompts", str(prompts), "--max-k", "2", "--repeats", "1",
+                           "--max-tokens", "8", "--tensor-parallel-size", "2", "--json", "-"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["results"]
+    assert [row["k"] for row in rows] == [0, 1, 2]
+    assert all(row["greedy_identical"] is True and row["mean_accept_length"] >= 1 for row in rows[1:])
+
+
 def test_inspect_shows_each_rank_and_its_share(dense_ckpt):
     def ranks(tp):
         done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "inspect", "--model", str(dense_ckpt),
