@@ -42,6 +42,7 @@ from hybrid_engine.kernels.native.ops import graph_cache_tag
 from hybrid_engine.kernels.slot_pool import DecodeRows
 from hybrid_engine.models import HybridForCausalLM
 from hybrid_engine.models.batch import ForwardBatch, LayerCaches
+from hybrid_engine.request_grammar import DraftMasks
 from hybrid_engine.state_cache import CachePools
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
@@ -111,9 +112,12 @@ class CompiledSteps(EagerSteps):
             input_ids = self._last_ids
         return self._decode_replay.call(self._decode, input_ids, self._last_traceable, self.caches)
 
-    def draft(self, d: DraftInputs, passes: DraftPasses) -> torch.Tensor:
+    def draft(self, d: DraftInputs, passes: DraftPasses, masks: DraftMasks | None = None) -> torch.Tensor:
         """A decode-sized catch-up and its k-1 draft passes as one graph; after a prompt's
-        catch-up (its length changes every time), which stays eager, the draft passes alone."""
+        catch-up (its length changes every time), which stays eager, the draft passes alone.
+        Masked drafts are eager."""
+        if masks is not None:
+            return super().draft(d, passes, masks)
         if not d.one_length:
             h, draft = passes.catch_up(self.model, d.tokens, d.hidden, d.batch, self.caches, d.rows)
             last, tables = d.batch.positions[d.rows], d.tables[d.seqs]

@@ -53,7 +53,7 @@ class EngineConfig:
     prefix_checkpoint_interval: int | None = None
     # Tensor parallelism (hybrid_engine/tensor_parallel.py): the engine's process and N-1 workers it
     # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights, quantized
-    # online (each rank its own part) or GGUF files, no MTP yet.
+    # online (each rank its own part) or GGUF files.
     tensor_parallel_size: int = 1
 
     def validate(self) -> None:
@@ -112,7 +112,6 @@ class EngineConfig:
             return
         unsupported = [what for what, used in (
             ("device other than cpu", torch.device(self.device).type != "cpu"),
-            ("speculative_config (MTP)", self.speculative_config is not None),
             ("enable_torch_compile", self.enable_torch_compile)) if used]
         if unsupported:
             raise ValueError(f"tensor_parallel_size > 1 does not support {', '.join(unsupported)} yet")

@@ -38,7 +38,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .step_inputs import StepInputBuilder
 from .step_update import StepUpdater, request_output, take_text_delta
-from .tensor_parallel import TensorParallelGroup, TensorParallelSteps
+from .tensor_parallel import TensorParallelGroup, TensorParallelSteps, serve_if_worker_rank
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 from hybrid_engine.spec_decode.mtp_drafter import MTPDrafter
 from hybrid_engine.spec_decode.stats import SpecStats
@@ -82,6 +82,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         config.validate()
+        serve_if_worker_rank(config)        # under torchrun, a rank > 0 ends here (tensor_parallel.py)
         self.config = config
         if config.model is None:
             from .default_model import default_model_path
@@ -408,6 +409,7 @@ class LLMEngine:
             request_ids = self._abort_failed_step(batch, error)
             if not isinstance(error, Exception):
                 raise       # KeyboardInterrupt and its kind, as they are
+            self._check_alive()     # a broken tensor-parallel group ends the engine, not the step
             raise StepFailedError(request_ids, error) from error
 
     def _run_step(self, sched: ScheduledBatch) -> list[RequestOutput]:
@@ -457,6 +459,9 @@ class LLMEngine:
         return request_ids
 
     def _check_alive(self) -> None:
+        if self.tp_group is not None and self.tp_group.broken is not None:
+            raise EngineDeadError(f"the engine cannot go on: its tensor-parallel group failed "
+                                  f"({self.tp_group.broken})") from self.tp_group.broken
         if self._failure is not None:
             raise EngineDeadError(f"the engine cannot go on: cleaning up after a failed step failed "
                                   f"({self._failure!r})") from self._failure

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .engine import LLMEngine, PreparedPrompt
 from .engine_loop import EngineDeadError, EngineLoop
+from .tensor_parallel import serve_if_worker_rank
 from .generation_defaults import load_generation_defaults
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class LLM:
             prefix_checkpoint_interval=prefix_checkpoint_interval, kernel_backend=kernel_backend,
             quantization=quantization, quantization_group_size=quantization_group_size,
             tensor_parallel_size=tensor_parallel_size)
+        config.validate()
+        serve_if_worker_rank(config)        # under torchrun, a rank > 0 ends here (tensor_parallel.py)
         self.loop = EngineLoop(lambda: LLMEngine(config))   # built on the loop thread (engine_loop.py)
         self._generation_defaults = (load_generation_defaults(self.engine.config.model)
                                      if generation_config == "auto" else {})

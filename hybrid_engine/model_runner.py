@@ -34,6 +34,8 @@ class EagerSteps:
         return self.model.forward_step(inputs.input_ids, inputs.batch, self.caches)
 
     def draft(self, d: DraftInputs, passes: DraftPasses, masks: DraftMasks | None = None) -> torch.Tensor:
+        """masks: the drafting requests' grammars, or None; every strategy drafts a masked step
+        eagerly, here (each pass's masks need the drafts before it on the host)."""
         return passes(self.model, d.tokens, d.hidden, d.batch, self.caches, d.tables, d.rows, d.seqs, masks)
 
     def catch_up(self, d: DraftInputs) -> None:
@@ -71,16 +73,14 @@ class ModelRunner:
         """The MTP layer over segments (start, length, block table) with their next tokens and
         the target's hidden rows, then k drafts from the end of each segment in `drafting`
         -> the drafts [len(drafting), k], or None where none drafts. masks: the grammars of
-        the drafting requests where any has one; those steps draft eagerly, whatever the
-        execution strategy (each pass's masks need the drafts before it on the host)."""
+        the drafting requests where any has one (drafted eagerly: EagerSteps.draft)."""
         lookahead = self.passes.num_drafts - 1 if drafting else 0
         inputs = self.drafts.build(segs, tokens, hidden, drafting, lookahead)
         if not drafting:
             self.execution.catch_up(inputs)
             return None
-        if masks is None:
-            return self.execution.draft(inputs, self.passes)
         try:
-            return EagerSteps.draft(self.execution, inputs, self.passes, masks)
+            return self.execution.draft(inputs, self.passes, masks)
         finally:
-            masks.close()
+            if masks is not None:
+                masks.close()

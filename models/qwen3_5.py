@@ -52,7 +52,7 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, vocab.local_size(), method=method,
                               splits={None: vocab} if tp.size > 1 else None, combine=_gathered_logits(tp, cfg.vocab_size))
         # The MTP layer's KV pool comes right after the main model's attention pools.
-        self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL], method=method) if with_mtp else None
+        self.mtp = MTPHead(cfg, kv_cache_index=counts[FULL], method=method, tp=tp) if with_mtp else None
 
     @property
     def num_kv_layers(self) -> int:

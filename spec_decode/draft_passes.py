@@ -14,10 +14,15 @@ The k-1 passes' positions, KV slots, lengths and RoPE tables are computed togeth
 step, as [k-1, D] tensors whose rows the passes take (`pass_batches`): made per pass, their
 small ops were a tenth of the passes' time in an eager step at the default model's size
 (benchmarks/history/RESULTS_LOG.md).
+
+Under tensor parallelism every rank runs these passes (hybrid_engine/tensor_parallel.py), but
+only rank 0 holds a pass's whole logits (lm_head's vocabulary parts are gathered there), so
+`share` hands each pass's drafts from rank 0 to every rank: the next pass embeds them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +41,8 @@ class DraftPasses:
     # One-token passes' attention reads no PagedKeys (the native CPU kernel serves them:
     # StepInputBuilder.keyless_query_lens), so none are made for them.
     keyless: bool
+    # Tensor parallelism: a pass's drafts [D] -> rank 0's drafts, on every rank (None: one process).
+    share: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, model: HybridForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
                  batch: ForwardBatch, caches: LayerCaches, tables: torch.Tensor, rows: torch.Tensor,
@@ -55,7 +62,7 @@ class DraftPasses:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The catch-up pass -> (its output hidden at `rows`, draft 1 from each of them)."""
         h = model.mtp_forward(tokens, hidden, batch, caches).index_select(0, rows)
-        return h, _greedy(model, h, masks)
+        return h, self._greedy(model, h, masks)
 
     def continued(self, model: HybridForCausalLM, draft: torch.Tensor, h: torch.Tensor, last: torch.Tensor,
                   tables: torch.Tensor, kernels: KernelBackend, caches: LayerCaches,
@@ -65,7 +72,7 @@ class DraftPasses:
         drafts = [draft]
         for batch, rope in self.pass_batches(model, last, tables, kernels, h.dtype):
             h = model.mtp_forward(draft, h, batch, caches, rope)
-            draft = _greedy(model, h, masks)
+            draft = self._greedy(model, h, masks)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 
@@ -100,11 +107,13 @@ class DraftPasses:
             batches.append((batch, rope))
         return batches
 
-
-def _greedy(model: HybridForCausalLM, h: torch.Tensor, masks: DraftMasks | None = None) -> torch.Tensor:
-    logits = model.compute_logits(h)
-    if masks is None:
-        return logits.max(dim=-1).indices      # max: cheaper than argmax on CPU
-    drafts = masks.apply(logits).max(dim=-1).indices
-    masks.advance(drafts.tolist())
-    return drafts
+    def _greedy(self, model: HybridForCausalLM, h: torch.Tensor, masks: DraftMasks | None = None) -> torch.Tensor:
+        logits = model.compute_logits(h)
+        if masks is not None:
+            logits = masks.apply(logits)
+        drafts = logits.max(dim=-1).indices    # max: cheaper than argmax on CPU
+        if self.share is not None:
+            drafts = self.share(drafts)
+        if masks is not None:
+            masks.advance(drafts.tolist())
+        return drafts

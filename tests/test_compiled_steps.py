@@ -42,9 +42,9 @@ class _Counted:
                 self.decode.append((b.decode_len, b.num_decodes))
             return forward(inputs)
 
-        def counted_draft(d, passes):
+        def counted_draft(d, passes, masks=None):
             (self.mtp if d.one_length else self.draft_passes).append(d.rows.numel())
-            return draft(d, passes)
+            return draft(d, passes, masks)
 
         compiled.forward, compiled.draft = counted_forward, counted_draft
 

@@ -1,9 +1,10 @@
 """Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
 TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
 preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next, the experts split whole over the
-ranks), online int8 / int4 quantization and GGUF files give TP=1's quantized tokens, head counts and splits
-that would cut quantization groups are refused before any process starts, and no worker
-outlives its engine: shutdown, a dead worker, the interpreter's exit."""
+ranks; with MTP drafts too), online int8 / int4 quantization and GGUF files give TP=1's
+quantized tokens, head counts and splits that would cut quantization groups are refused before
+any process starts, and no worker outlives its engine: shutdown, a dead worker, the
+interpreter's exit."""
 
 import json
 import multiprocessing
@@ -18,22 +19,35 @@ import time
 import pytest
 import torch
 
-from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models import load_model
 from hybrid_engine.models.parallel import Split, TensorParallel
-from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.quantization import Quantization
 from hybrid_engine.quantize_checkpoint import write_quantized
 
-from checkpoints import make_hf_model, save_checkpoint
+from checkpoints import make_hf_model, save_checkpoint, save_tokenizer
 from gguf_files import write_gguf
 from engine_checks import assert_no_leak, budget_for_blocks
+from spec_models import make_spec_checkpoint
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def dense_ckpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp_dense")
     save_checkpoint(make_hf_model("qwen3_5", full_attention_interval=2), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    """A checkpoint whose MTP head drafts well enough that steps accept some drafts and reject
+    others (tests/support/spec_models.py), with a tokenizer for a constrained request."""
+    folder = make_spec_checkpoint(tmp_path_factory.mktemp("tp_mtp"), "qwen3_5", embed_scale=1.6,
+                                  full_attention_interval=2)
+    save_tokenizer(folder, vocab_size=256)
     return folder
 
 
@@ -124,6 +138,32 @@ def test_tp2_gives_tp1_greedy_tokens_and_logprobs(dense_ckpt, backend):
     _assert_same(runs[1][0], runs[1][1])
 
 
+def test_tp2_with_mtp_gives_tp1_tokens_logprobs_and_drafts(mtp_ckpt):
+    """k=2 drafts from the MTP head split over the ranks (its KV pool too), each draft pass's
+    drafts broadcast from rank 0: greedy, seeded sampled, grammar-constrained (masked drafts)
+    and n=2 requests, chunked prefill, prompt_logprobs, and a second round of prefix hits (the
+    MTP layer's entry from the checkpoint's hidden state). The same drafts are accepted."""
+    prompts = _prompts(vocab=256)
+    constrained = StructuredOutputsParams(regex=r"[a-f]{3}-[0-9]{2,4}")
+    params = [SamplingParams(temperature=0.8 if i == 3 else 0.0, seed=7 if i == 3 else None, max_tokens=10 + i,
+                             ignore_eos=i != 1, logprobs=2, n=1 + (i == 2), prompt_logprobs=2 if i == 0 else None,
+                             structured_outputs=constrained if i == 1 else None)
+              for i in range(len(prompts))]
+    runs, stats = [], []
+    for size in (1, 2):
+        llm = LLM(model=str(mtp_ckpt), dtype="float32", kernel_backend="auto", max_num_seqs=8,
+                  max_num_batched_tokens=40, speculative_config=MTP, tensor_parallel_size=size)
+        llm.engine.grammar_compiler.submit(constrained).result()    # compiled before: the same schedules
+        runs.append((_generate(llm, prompts, params), _generate(llm, prompts, params)))
+        assert llm.engine.prefix_cache_stats["hits"] > 0
+        assert_no_leak(llm.engine)
+        stats.append(llm.engine.spec_stats.as_dict())
+        llm.shutdown()
+    _assert_same(runs[0][0], runs[1][0])
+    _assert_same(runs[0][1], runs[1][1])
+    assert stats[0] == stats[1] and 0 < stats[1]["num_accepted"] < stats[1]["num_drafted"]
+
+
 def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
     def sizes(size):
         engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
@@ -139,19 +179,22 @@ def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
     assert (half[1] * 2, half[2] * 2) == whole[1:]
 
 
-def test_tp2_with_preemption(dense_ckpt):
+@pytest.mark.parametrize("spec", [None, MTP], ids=["plain", "mtp"])
+def test_tp2_with_preemption(dense_ckpt, mtp_ckpt, spec):
+    """With MTP, a preempted request's drafts and MTP KV start again from its recomputed prompt."""
+    folder = str(dense_ckpt if spec is None else mtp_ckpt)
     prompts = _prompts(n=8, lo=20, hi=90, vocab=256, seed=1)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    alone = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = LLM(model=folder, dtype="float32", kernel_backend="torch", enable_prefix_caching=False)
     want = [o.token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
     alone.shutdown()
-    probe = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
-                                   tensor_parallel_size=2))
-    budget = budget_for_blocks(probe, 20)           # per rank: 8 requests need up to 8 x 7 blocks
+    probe = LLMEngine(EngineConfig(model=folder, dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                                   speculative_config=spec, tensor_parallel_size=2))
+    budget = budget_for_blocks(probe, 16)           # per rank: 8 requests need up to 8 x 8 blocks
     probe.shutdown()
-    tight = LLM(model=str(dense_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=8,
-                cache_memory_bytes=budget, tensor_parallel_size=2)
-    assert tight.engine.cache.num_blocks == 20
+    tight = LLM(model=folder, dtype="float32", kernel_backend="torch", max_num_seqs=8,
+                cache_memory_bytes=budget, speculative_config=spec, tensor_parallel_size=2)
+    assert tight.engine.cache.num_blocks == 16
     assert [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == want
     assert tight.engine.num_preemptions > 0
     tight.shutdown()
@@ -173,17 +216,23 @@ def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, backend):
+@pytest.mark.parametrize("family, spec", [("qwen3_next", None), ("qwen3_5_moe", MTP)],
+                         ids=["qwen3_next", "qwen3_5_moe-mtp"])
+def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, spec, backend):
     """The experts split whole over the ranks (expert parallelism: each rank runs its own on the
     tokens routed to them), the shared expert by its intermediate rows, the router whole;
-    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them."""
-    save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
+    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba split after the loader regroups them.
+    Qwen3.5-MoE drafts with its MTP head, whose MoE block splits like the target's."""
+    if spec is None:
+        save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
+    else:
+        make_spec_checkpoint(tmp_path, family, embed_scale=1.6, full_attention_interval=2)
     prompts = _prompts(n=3, vocab=256)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     runs = []
     for size in (1, 2):
-        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend=backend, tensor_parallel_size=size)
+        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend=backend, speculative_config=spec,
+                  tensor_parallel_size=size)
         runs.append(_generate(llm, prompts, params))
         llm.shutdown()
     _assert_same(*runs)
@@ -326,9 +375,8 @@ def test_indivisible_heads_are_refused_before_any_process_starts(dense_ckpt, tmp
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
             EngineConfig(model=str(dense_ckpt), tensor_parallel_size=bad).validate()
-    with pytest.raises(ValueError, match=r"does not support speculative_config \(MTP\), enable_torch_compile yet"):
-        EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, enable_torch_compile=True,
-                     speculative_config={"num_speculative_tokens": 1}).validate()
+    with pytest.raises(ValueError, match=r"does not support enable_torch_compile yet"):
+        EngineConfig(model=str(dense_ckpt), tensor_parallel_size=2, enable_torch_compile=True).validate()
 
 
 def test_shutdown_ends_the_workers(dense_ckpt):
@@ -357,11 +405,81 @@ def test_a_dead_worker_fails_the_next_step_at_once(dense_ckpt):
     (pid,) = _worker_pids(llm)
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(exit code -9\) has died"):
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(killed by SIGKILL\) has died"):
         llm.generate([[4, 5, 6]], params, use_tqdm=False)
     assert time.monotonic() - start < 10
     llm.shutdown()
     assert not {pid} & _children()
+
+
+def test_a_worker_killed_mid_generation_ends_the_engine_within_seconds(four_way_ckpt):
+    """TP=4: rank 2 dies while two requests decode and one waits: every caller gets the error
+    naming it within seconds, the other workers end, /health turns unhealthy, and the engine
+    refuses new requests at once."""
+    import httpx
+    from hybrid_engine import EngineDeadError
+    from serve_support import running_server
+
+    llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend="torch", max_num_seqs=2,
+              tensor_parallel_size=4)
+    pids = _worker_pids(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    with running_server(llm) as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        streams = [iter(llm.loop.submit(prompt, params)) for prompt in _prompts(3)]
+        next(streams[0])                         # decoding has begun
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match=r"rank 2 \(killed by SIGKILL\)"):
+                for _ in stream:
+                    pass
+        assert time.monotonic() - start < 10
+        assert httpx.get(server.url + "/health").status_code == 503
+    deadline = time.monotonic() + 5
+    while set(pids) & _children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(pids) & _children()
+    with pytest.raises(EngineDeadError):
+        llm.generate([[1, 2]], params, use_tqdm=False)
+    llm.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def test_two_nodes_under_torchrun_give_tp1_tokens(dense_ckpt):
+    """Two torchrun launches on 127.0.0.1 standing for two machines (--nnodes 2, one process
+    each, env:// init): rank 0 drives and prints, rank 1 serves its half and ends with it."""
+    def generate(*launch, tp=2):
+        return [sys.executable, *launch, "-m", "hybrid_engine.cli", "generate", "--model", str(dense_ckpt),
+                "--dtype", "float32", "--kernel-backend", "torch", "--json", "--max-tokens", "6", "--ignore-eos",
+                "--temperature", "0", "--tensor-parallel-size", str(tp), "3 14 15 92", "7 7 7"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = str(_free_port())
+    nodes = [subprocess.Popen(generate("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+                                       "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (1, 0)]
+    (out1, err1), (out0, err0) = (node.communicate(timeout=120) for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], err0 + err1
+    assert out1 == ""                                # rank 1 only served
+    single = subprocess.run(generate(tp=1), capture_output=True, text=True, timeout=120, env=env)
+    assert single.returncode == 0, single.stderr
+    tokens = [[json.loads(line)["token_ids"] for line in out.splitlines()] for out in (out0, single.stdout)]
+    assert len(tokens[0]) == 2 and tokens[0] == tokens[1]
+
+
+def test_a_launcher_group_of_another_size_is_refused(dense_ckpt, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="WORLD_SIZE 3 processes but tensor_parallel_size is 2"):
+        LLM(model=str(dense_ckpt), kernel_backend="torch", tensor_parallel_size=2)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_workers_end_with_the_interpreter(dense_ckpt):
@@ -395,7 +513,38 @@ def test_generate_command_at_tp2(dense_ckpt):
     assert generate("--tensor-parallel-size", "2") == generate()
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_bench_command_at_tp2_runs_each_k_in_turn(mtp_ckpt, tmp_path):
+    """One tensor-parallel engine per process: bench builds, runs and ends one per k."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _prompts(3, vocab=256)))
+    done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "bench", "--model", str(mtp_ckpt),
+                           "--dtype", "float32", "--prompts", str(prompts), "--max-k", "2", "--repeats", "1",
+                           "--max-tokens", "8", "--tensor-parallel-size", "2", "--json", "-"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["results"]
+    assert [row["k"] for row in rows] == [0, 1, 2]
+    assert all(row["greedy_identical"] is True and row["mean_accept_length"] >= 1 for row in rows[1:])
+
+
+def test_inspect_shows_each_rank_and_its_share(dense_ckpt):
+    def ranks(tp):
+        done = subprocess.run([sys.executable, "-m", "hybrid_engine.cli", "inspect", "--model", str(dense_ckpt),
+                               "--kernel-backend", "torch", "--tensor-parallel-size", str(tp), "--step", "2",
+                               "--json", "-", "1 2 3"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["steps"][-1]["ranks"]
+
+    (whole,), (first, second) = ranks(1), ranks(2)
+    assert [first["role"], second["role"]] == ["driver", "worker"] and first["pid"] != second["pid"]
+    for key in ("attention_heads", "kv_heads", "gdn_value_heads"):
+        assert first[key] == second[key] == whole[key] // 2
+    # The byte budget is each rank's: its heads take half the bytes per block, so twice the blocks.
+    assert first["cache_bytes"] == second["cache_bytes"] <= whole["cache_bytes"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 def test_workers_end_when_the_driver_is_killed_or_interrupted(dense_ckpt, how):
     script = textwrap.dedent(f"""
         import time

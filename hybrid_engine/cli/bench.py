@@ -88,21 +88,20 @@ def run(args) -> int:
     bar = tqdm(total=len(ks) * (1 + args.repeats * num_batches), desc="bench", unit="run",
                file=sys.stderr, disable=None)   # None: no bar when stderr is not a terminal
     try:
-        llms, prompts = _load_and_warm_up(args, ks, raw, params, bar)
-        results = {k: Measured(k) for k in ks}
-        before = {k: copy.deepcopy(llms[k].engine.spec_stats) for k in ks[1:]}
-        # Repeats interleave the k values, so that load from elsewhere on the machine
-        # spreads over all of them instead of skewing one.
-        for _ in range(args.repeats):
-            for k in ks:
-                bar.set_description(f"bench k={k}")
-                _timed_run(llms[k], prompts, params, args.batch_size, results[k], bar)
-        for k in ks[1:]:
-            results[k].stats = _stats_since(before[k], llms[k].engine.spec_stats)
+        # One tensor-parallel engine per process: under tensor parallelism the k values run one
+        # after another, each engine shut down before the next starts.
+        groups = [[k] for k in ks] if getattr(args, "tensor_parallel_size", 1) > 1 else [ks]
+        results, described = {}, None
+        for group in groups:
+            llms, prompts = _load_and_warm_up(args, group, raw, params, bar)
+            results.update(_measure(llms, group, prompts, params, args, bar))
+            engine = llms[group[0]].engine
+            described = described or (engine.config.model, dtype_name(engine))
+            if len(groups) > 1:
+                engine.shutdown()
     finally:
         bar.close()
-    engine = llms[0].engine
-    report = _report(list(results.values()), params, args, (engine.config.model, dtype_name(engine)), len(prompts))
+    report = _report([results[k] for k in ks], params, args, described, len(prompts))
     if args.json != "-":
         _print_table(report)
     if args.json:
@@ -138,12 +137,12 @@ def _load_and_warm_up(args, ks: list[int], raw: list, params, bar) -> tuple[dict
     for k in ks:
         bar.set_description(f"bench: warm-up k={k}")
         llms[k] = SteppedEngine(build_engine(args, k))
-        if k == 0:
+        if k == ks[0]:
             # A model without mtp.* weights fails at the first k > 0 (LLMEngine's ValueError):
             # the k = 0 engine no longer loads the MTP head, so it cannot tell.
-            if llms[0].tokenizer is None and not args.prompts:
+            if llms[k].tokenizer is None and not args.prompts:
                 raise CLIError("the model has no tokenizer: give token-id prompts with --prompts FILE.jsonl")
-            prompts = encode_prompts(llms[0], raw)
+            prompts = encode_prompts(llms[k], raw)
         if args.torch_compile:      # one whole untimed run: every compiled shape gets made here
             llms[k].generate(prompts, params, use_tqdm=False)
         else:
@@ -151,6 +150,20 @@ def _load_and_warm_up(args, ks: list[int], raw: list, params, bar) -> tuple[dict
                              use_tqdm=False)
         bar.update(1)
     return llms, prompts
+
+
+def _measure(llms: dict, ks: list[int], prompts, params, args, bar) -> dict:
+    results = {k: Measured(k) for k in ks}
+    before = {k: copy.deepcopy(llms[k].engine.spec_stats) for k in ks if k}
+    # Repeats interleave the k values, so that load from elsewhere on the machine
+    # spreads over all of them instead of skewing one.
+    for _ in range(args.repeats):
+        for k in ks:
+            bar.set_description(f"bench k={k}")
+            _timed_run(llms[k], prompts, params, args.batch_size, results[k], bar)
+    for k in before:
+        results[k].stats = _stats_since(before[k], llms[k].engine.spec_stats)
+    return results
 
 
 def _timed_run(llm, prompts, params, batch_size: int, m: Measured, bar) -> None:

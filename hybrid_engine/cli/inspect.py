@@ -9,6 +9,7 @@ which compares two snapshots.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from . import (CLIError, add_engine_arguments, add_prompt_arguments, add_sampling_arguments, build_llm,
@@ -170,7 +171,8 @@ def _step_report(engine, step: int, finished: dict, states: dict) -> dict:
         for key in sorted(tensors, key=lambda key: layer_depth(key.rpartition("/")[0])):
             layer, _, tensor = key.rpartition("/")
             layers.append({"request": rid, "layer": layer, "tensor": tensor, **tensor_stats(tensors[key])})
-    return {"step": step, "finished": dict(finished), "pools": _pools(engine), "prefix_cache": prefix_report(engine),
+    return {"step": step, "finished": dict(finished), "pools": _pools(engine), "ranks": _ranks(engine),
+            "prefix_cache": prefix_report(engine),
             "requests": [_request_row(engine, rid, req) for rid, req in engine.requests.items()],
             "layers": layers}
 
@@ -205,6 +207,26 @@ def _pools(engine) -> dict:
     }
 
 
+def _ranks(engine) -> list[dict]:
+    """The tensor-parallel ranks (one without it): each holds a cache of the same geometry for
+    its own heads, so every rank's share is the pools' bytes above (the driver's)."""
+    group, spec, u = engine.tp_group, engine.cache.spec, engine.cache.usage()
+    workers = group.workers if group is not None else []
+    cfg = engine.model_config
+    size = group.size if group is not None else 1
+    rows = []
+    for rank in range(size):
+        process = (None if group is not None and group.launch is not None else
+                   workers[rank - 1].pid if rank else os.getpid())
+        rows.append({"rank": rank, "pid": process, "role": "driver" if rank == 0 else "worker",
+                     "attention_heads": max(cfg.num_attention_heads // size, 1),
+                     "kv_heads": max(cfg.num_key_value_heads // size, 1),
+                     "gdn_value_heads": max(cfg.linear_num_value_heads // size, 1),
+                     "cache_bytes": u["kv_bytes_total"] + u["slots_total"] * spec.bytes_per_slot
+                     + u["checkpoint_bytes_total"]})
+    return rows
+
+
 def _request_row(engine, rid: str, req) -> dict:
     rc = engine.cache.get(rid) if rid in engine.cache else None
     return {"id": rid, "status": req.status.value, "prompt_tokens": len(req.prompt_token_ids),
@@ -221,6 +243,8 @@ def _print_step(out, report: dict, engine) -> None:
     out.print(f"\n[bold]step {report['step']}[/bold]  |  {engine.config.model}  |  "
               f"{'MTP k=' + str(k) if k else 'no speculation'}  |  finished: {done}")
     out.print(_pools_table(report["pools"]))
+    if len(report["ranks"]) > 1:
+        out.print(_ranks_table(report["ranks"]))
     if report["prefix_cache"] is not None:
         p = report["prefix_cache"]
         out.print(f"prefix cache: {p['blocks_cached']} cached blocks ({p['blocks_cached_idle']} idle), "
@@ -261,6 +285,16 @@ def _pools_table(p: dict):
         table.add_row("prefix checkpoints (GDN state + hidden)", str(ck["total"]), str(ck["used"]), str(ck["free"]),
                       _bytes(ck["bytes_per_checkpoint"]),
                       f"{_bytes(b['checkpoints']['used'])} / {_bytes(b['checkpoints']['total'])}")
+    return table
+
+
+def _ranks_table(ranks: list[dict]):
+    table = _table("tensor-parallel ranks (the pools and the layer statistics are rank 0's heads; every rank's "
+                   "cache has their geometry)", ["rank", "role", "pid", "attention heads", "KV heads",
+                                                  "GDN value heads", "cache bytes"], ("role",))
+    for r in ranks:
+        table.add_row(str(r["rank"]), r["role"], str(r["pid"] or "torchrun"), str(r["attention_heads"]),
+                      str(r["kv_heads"]), str(r["gdn_value_heads"]), _bytes(r["cache_bytes"]))
     return table
 
 
