@@ -287,17 +287,19 @@ def test_a_rank_keeps_only_its_experts_memory(tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    """Qwen3.5-MoE whose shared expert's down_proj input (64) halves into whole groups of 32."""
+    """Qwen3.5-MoE with an MTP head, whose shared expert's down_proj input (64) halves into whole
+    groups of 32."""
     folder = tmp_path_factory.mktemp("tp_moe")
-    save_checkpoint(make_hf_model("qwen3_5_moe", full_attention_interval=2, shared_expert_intermediate_size=64), folder)
-    return folder
+    return make_spec_checkpoint(folder, "qwen3_5_moe", embed_scale=1.6, full_attention_interval=2,
+                                shared_expert_intermediate_size=64)
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("model, quantization", [("dense", "int8"), ("dense", "int4"), ("moe", "int8")])
 def test_quantized_tp2_gives_tp1_tokens(dense_ckpt, moe_ckpt, model, quantization, backend):
     """Each rank quantizes its own part of each float weight: a row-split projection's groups
-    are the whole model's, so the ranks hold TP=1's quantized values (the experts each whole).
+    are the whole model's, so the ranks hold TP=1's quantized values (the experts each whole;
+    the MoE model drafts with its quantized MTP head too).
     The native kernel (auto) rounds activations to int8, a step function: the all-reduce's other
     order of sums (a float32 ulp) moves some roundings by a step, and the logprobs of this
     random tiny model by up to a few hundredths (so does a 1e-7 relative change to o_proj's
@@ -308,7 +310,7 @@ def test_quantized_tp2_gives_tp1_tokens(dense_ckpt, moe_ckpt, model, quantizatio
     runs = []
     for size in (1, 2):
         llm = LLM(model=str(folder), dtype="float32", kernel_backend=backend, quantization=quantization,
-                  tensor_parallel_size=size)
+                  speculative_config=MTP if model == "moe" else None, tensor_parallel_size=size)
         runs.append(_generate(llm, prompts, params))
         llm.shutdown()
     _assert_same(*runs, tolerance=1e-4 if backend == "torch" else 0.1)
