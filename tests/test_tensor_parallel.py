@@ -382,6 +382,25 @@ def test_generate_command_at_tp2(dense_ckpt):
     assert generate("--tensor-parallel-size", "2") == generate()
 
 
+def test_server_streams_tp1_s_text_at_tp2():
+    """The packaged default model (with its tokenizer) served at TP=2: a streamed completion and
+    a chat reply are TP=1's."""
+    from serve_support import client, running_server
+
+    texts = []
+    for size in (1, 2):
+        llm = LLM(dtype="float32", tensor_parallel_size=size)
+        with running_server(llm) as server:
+            api = client(server)
+            chunks = api.completions.create(model="default", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                            stream=True)
+            chat = api.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=8, temperature=0)
+            texts.append(("".join(c.choices[0].text for c in chunks), chat.choices[0].message.content))
+        llm.shutdown()
+    assert texts[0] == texts[1] and texts[0][0]
+
+
 def test_bench_command_at_tp2_runs_each_k_in_turn(mtp_ckpt, tmp_path):
     """One tensor-parallel engine per process: bench builds, runs and ends one per k."""
     prompts = tmp_path / "prompts.jsonl"
