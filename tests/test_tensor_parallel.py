@@ -315,12 +315,13 @@ def test_a_worker_killed_mid_generation_ends_the_engine_within_seconds(four_way_
     assert not torch.distributed.is_initialized()
 
 
-def test_two_nodes_under_torchrun_give_tp1_tokens(dense_ckpt):
+def test_two_nodes_under_torchrun_give_tp1_tokens(mtp_ckpt):
     """Two torchrun launches on 127.0.0.1 standing for two machines (--nnodes 2, one process
-    each, env:// init): rank 0 drives and prints, rank 1 serves its half and ends with it."""
+    each, env:// init), with MTP drafts: rank 0 drives and prints, rank 1 serves its half and
+    ends with it."""
     def generate(*launch, tp=2):
-        return [sys.executable, *launch, "-m", "hybrid_engine.cli", "generate", "--model", str(dense_ckpt),
-                "--dtype", "float32", "--kernel-backend", "torch", "--json", "--max-tokens", "6", "--ignore-eos",
+        return [sys.executable, *launch, "-m", "hybrid_engine.cli", "generate", "--model", str(mtp_ckpt),
+                "--dtype", "float32", "--json", "--max-tokens", "12", "--ignore-eos", "--speculative-tokens", "2",
                 "--temperature", "0", "--tensor-parallel-size", str(tp), "3 14 15 92", "7 7 7"]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
