@@ -158,24 +158,25 @@ def message_cost(message_bytes: int) -> dict:
     import torch.multiprocessing as mp
 
     from hybrid_engine.tensor_parallel import _free_port
+    buffer = torch.zeros(message_bytes, dtype=torch.uint8).share_memory_()
+    shm = on_two_processes(shm_handoff, lambda: (buffer, mp.get_context("spawn").Barrier(2), 2000))
+    broadcast = on_two_processes(bare_broadcast, lambda: (_free_port(), message_bytes, 2000))
+    return {"broadcast_us": broadcast, "shared_memory_us": shm}
+
+
+def on_two_processes(target, make_args):
+    """target(rank, *make_args(), queue) in two spawned processes -> what rank 0 puts on the queue."""
+    import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    buffer = torch.zeros(message_bytes, dtype=torch.uint8).share_memory_()
-    barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=shm_handoff, args=(r, buffer, barrier, 2000, out)) for r in range(2)]
+    args = make_args()
+    procs = [ctx.Process(target=target, args=(rank, *args, out)) for rank in range(2)]
     for p in procs:
         p.start()
-    shm = out.get(timeout=300)
+    figure = out.get(timeout=300)
     for p in procs:
         p.join()
-    port = _free_port()
-    procs = [ctx.Process(target=bare_broadcast, args=(r, port, message_bytes, 2000, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    broadcast = out.get(timeout=300)
-    for p in procs:
-        p.join()
-    return {"broadcast_us": broadcast, "shared_memory_us": shm}
+    return figure
 
 
 def bare_broadcast(rank: int, port: int, message_bytes: int, repeats: int, out) -> None:
@@ -197,20 +198,9 @@ def bare_broadcast(rank: int, port: int, message_bytes: int, repeats: int, out) 
 
 def link_cost(hidden: int, dtype: str, batches: list[int]) -> dict:
     """Microseconds per all-reduce of [rows, hidden] between two one-thread processes."""
-    import torch.multiprocessing as mp
-
     from hybrid_engine.tensor_parallel import _free_port
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     shapes = [(b, hidden) for b in batches] + [(PREFILL_LEN, hidden)]
-    port = _free_port()
-    procs = [ctx.Process(target=bare_all_reduce, args=(r, port, shapes, dtype, 200, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    figures = out.get(timeout=300)
-    for p in procs:
-        p.join()
-    return figures
+    return on_two_processes(bare_all_reduce, lambda: (_free_port(), shapes, dtype, 200))
 
 
 def main() -> None:

@@ -448,12 +448,13 @@ def test_a_worker_killed_mid_generation_ends_the_engine_within_seconds(four_way_
     assert not torch.distributed.is_initialized()
 
 
-def test_two_nodes_under_torchrun_give_tp1_tokens(dense_ckpt):
+def test_two_nodes_under_torchrun_give_tp1_tokens(mtp_ckpt):
     """Two torchrun launches on 127.0.0.1 standing for two machines (--nnodes 2, one process
-    each, env:// init): rank 0 drives and prints, rank 1 serves its half and ends with it."""
+    each, env:// init), with MTP drafts: rank 0 drives and prints, rank 1 serves its half and
+    ends with it."""
     def generate(*launch, tp=2):
-        return [sys.executable, *launch, "-m", "hybrid_engine.cli", "generate", "--model", str(dense_ckpt),
-                "--dtype", "float32", "--kernel-backend", "torch", "--json", "--max-tokens", "6", "--ignore-eos",
+        return [sys.executable, *launch, "-m", "hybrid_engine.cli", "generate", "--model", str(mtp_ckpt),
+                "--dtype", "float32", "--json", "--max-tokens", "12", "--ignore-eos", "--speculative-tokens", "2",
                 "--temperature", "0", "--tensor-parallel-size", str(tp), "3 14 15 92", "7 7 7"]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -513,6 +514,25 @@ def test_generate_command_at_tp2(dense_ckpt):
         return [json.loads(line)["token_ids"] for line in done.stdout.splitlines()]
 
     assert generate("--tensor-parallel-size", "2") == generate()
+
+
+def test_server_streams_tp1_s_text_at_tp2():
+    """The packaged default model (with its tokenizer) served at TP=2: a streamed completion and
+    a chat reply are TP=1's."""
+    from serve_support import client, running_server
+
+    texts = []
+    for size in (1, 2):
+        llm = LLM(dtype="float32", tensor_parallel_size=size)
+        with running_server(llm) as server:
+            api = client(server)
+            chunks = api.completions.create(model="default", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                            stream=True)
+            chat = api.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=8, temperature=0)
+            texts.append(("".join(c.choices[0].text for c in chunks), chat.choices[0].message.content))
+        llm.shutdown()
+    assert texts[0] == texts[1] and texts[0][0]
 
 
 def test_bench_command_at_tp2_runs_each_k_in_turn(mtp_ckpt, tmp_path):
