@@ -37,19 +37,25 @@ def rss_mb(pid: int | str = "self") -> float:
 
 
 class CollectiveTimer:
-    """The driver's time inside torch.distributed's all_reduce and gather (the forward's
-    collectives, looked up at call time by hybrid_engine/tensor_parallel.py) and in sending
-    each step's message (StepChannel.send: its pickling and broadcast)."""
+    """The driver's time inside the forward's collectives (the all-reduces and the logits
+    gather of hybrid_engine/tensor_parallel.py's parallel_for) and in sending each step's
+    message (StepChannel.send: its pickling and broadcast)."""
 
     def __init__(self):
-        import torch.distributed as dist
+        import dataclasses
 
-        from hybrid_engine.tensor_parallel import StepChannel
+        from hybrid_engine import tensor_parallel
         self.seconds = {"all_reduce": 0.0, "gather": 0.0, "send": 0.0}
         self.calls = dict.fromkeys(self.seconds, 0)
-        for name in ("all_reduce", "gather"):
-            setattr(dist, name, self._timed(name, getattr(dist, name)))
-        StepChannel.send = self._timed("send", StepChannel.send)
+        made = tensor_parallel.parallel_for
+
+        def timed_parallel_for(rank: int, size: int):
+            tp = made(rank, size)
+            return dataclasses.replace(tp, all_reduce=self._timed("all_reduce", tp.all_reduce),
+                                       gather_logits=self._timed("gather", tp.gather_logits))
+
+        tensor_parallel.parallel_for = timed_parallel_for
+        tensor_parallel.StepChannel.send = self._timed("send", tensor_parallel.StepChannel.send)
 
     def _timed(self, name, fn):
         def call(*args, **kwargs):
@@ -257,7 +263,7 @@ def main() -> None:
             print(line)
         print(f"  prefill {PREFILL_LEN}: {r['prefill']['tok_s']:8.1f} tok/s "
               f"({r['prefill']['tok_s'] / base['prefill']['tok_s']:.2f}x TP={base['size']})")
-    print("bare all-reduce between two 1-thread processes (gloo, 127.0.0.1): " +
+    print("one all-reduce alone between two 1-thread processes (gloo, 127.0.0.1): " +
           ", ".join(f"[{shape}] {us:.0f} us" for shape, us in link.items()))
     print(f"one step message ({STEP_MESSAGE_BYTES >> 10} KiB) to the other process: broadcast "
           f"{message['broadcast_us']:.0f} us, shared memory and a barrier {message['shared_memory_us']:.0f} us")
