@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench_cpu import DECODE_PROMPT_LEN, MAX_MODEL_LEN, PREFILL_LEN, engine_decode, engine_prefill
 
-CACHE_BYTES = 1 << 30
+CACHE_BYTES = 1 << 30         # per rank
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -94,7 +94,10 @@ def one_size(args) -> dict:
     weights = {"sharded": 0, "replicated": 0}
     for name, p in engine.model.named_parameters():
         weights["replicated" if "embed_tokens" in name or "norm" in name else "sharded"] += p.nbytes
-    result = {"size": args.size, "driver_threads": args.driver_threads, "load_s": load_s,
+    pools = engine.cache.pools
+    cache_mb = sum(t.nbytes for t in pools.kv_caches + [pools.conv_layers, pools.recurrent_layers,
+                   pools.checkpoint_conv_layers, pools.checkpoint_recurrent_layers, pools.checkpoint_hidden]) / 2**20
+    result = {"size": args.size, "cache_mb": cache_mb, "driver_threads": args.driver_threads, "load_s": load_s,
               "rss_mb": [rss_mb(pid) for pid in pids], "rss_before_mb": before, "weight_mb": {k: v / 2**20 for k, v in weights.items()},
               "layers": engine.model_config.num_hidden_layers}
     vocab = engine.model_config.vocab_size
@@ -246,9 +249,10 @@ def main() -> None:
     print(f"{args.model}, {args.dtype}, CPU level {cpu_level()}, {args.threads} cores in all, medians of {args.runs}")
     base = results[0]
     for r in results:
-        rss = " + ".join(f"{m - r['rss_before_mb']:.0f}" for m in r["rss_mb"])
+        rss = " + ".join(f"{m - r['rss_before_mb'] - r['cache_mb']:.0f}" for m in r["rss_mb"])
         print(f"TP={r['size']} ({r['driver_threads']} thread(s) per rank): RSS per rank {rss} MB above a process "
-              f"that has imported the engine ({r['rss_before_mb']:.0f} MB); weights per rank "
+              f"that has imported the engine ({r['rss_before_mb']:.0f} MB), less its cache ({r['cache_mb']:.0f} MB); "
+              "live weights per rank "
               f"{r['weight_mb']['sharded']:.0f} MB sharded + {r['weight_mb']['replicated']:.0f} MB replicated")
         for b in args.batches:
             d = r[f"decode_b{b}"]
