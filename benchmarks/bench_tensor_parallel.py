@@ -4,10 +4,12 @@ prefill, each rank's resident memory, and where a step's time goes on the driver
 the all-reduces and the logits gather), beside a bare all-reduce of the same sizes between two
 processes with nothing else running (the link's own cost).
 
-    python benchmarks/bench_tensor_parallel.py --model /path/to/random-0.8b [--dtype bfloat16]
+    python benchmarks/bench_tensor_parallel.py --model FOLDER [--dtype bfloat16]
         [--sizes 1,2] [--batches 1,16] [--steps 64] [--runs 3] [--json out.json]
 
-Each size runs in a process of its own (a process holds one torch.distributed group).
+FOLDER: an HF checkpoint folder, e.g. the random 0.8B one that bench_llamacpp.py's work folder
+holds (W/random-0.8b; benchmarks/random_checkpoint.py writes one). Each size runs in a process of
+its own (a process holds one torch.distributed group).
 """
 
 from __future__ import annotations
