@@ -95,7 +95,7 @@ def one_size(args) -> dict:
     pids = [os.getpid()] + ([w.pid for w in group.workers] if group else [])
     weights = {"sharded": 0, "replicated": 0}
     for name, p in engine.model.named_parameters():
-        weights["replicated" if "embed_tokens" in name or "norm" in name else "sharded"] += p.nbytes
+        weights["replicated" if "norm" in name else "sharded"] += p.nbytes
     pools = engine.cache.pools
     cache_mb = sum(t.nbytes for t in pools.kv_caches + [pools.conv_layers, pools.recurrent_layers,
                    pools.checkpoint_conv_layers, pools.checkpoint_recurrent_layers, pools.checkpoint_hidden]) / 2**20

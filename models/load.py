@@ -122,12 +122,13 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
             continue                                          # read and checked, not kept
         _, take, module = tensors[name]
         untrimmed += tensor.numel() * tensor.element_size()
-        take(tensor.to(device))
+        tensor = tensor.to(device)
+        take(tensor)
+        if name == "embed_tokens.weight" and cfg.tie_word_embeddings:
+            model.tie_lm_head(tensor)             # the table in lm_head's layout, now (the peak)
+            processed.add(model.lm_head)
         del tensor
         waiting[module] -= 1
-        if name == "embed_tokens.weight" and cfg.tie_word_embeddings:
-            model.tie_lm_head()                   # the table in lm_head's layout, now (the peak)
-            processed.add(model.lm_head)
         if waiting[module] == 0 and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
             processed.add(module)

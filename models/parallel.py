@@ -11,8 +11,9 @@ vocabulary) and the logits are gathered on rank 0 (`gather_logits`). An MoE bloc
 experts whole over the ranks (expert parallelism: rank r holds experts [r E/N, (r+1) E/N)),
 keeps its router and shared-expert gate whole (every rank routes every token and runs its own
 experts on the tokens routed to them), splits the shared expert's intermediate rows like the
-MLP's, and sums its output once. The embedding is replicated: a lookup of T rows costs nothing
-next to the all-reduce of [T, H] a vocab-parallel embedding needs in every step.
+MLP's, and sums its output once. The embedding holds lm_head's vocabulary rows (tied or not):
+each rank looks up the ids it holds and the rows are summed across ranks, one all-reduce per
+forward beside the two of each layer, where a whole table would cost every rank V x H bytes.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from .decoder import DecoderLayer
 from .linear import Linear
 from .mlp import make_mlp
 from .mtp import MTPHead
-from .parallel import SINGLE, TensorParallel
+from .parallel import SINGLE, TensorParallel, shard_parameter
 
 
 class HybridForCausalLM(nn.Module):
@@ -29,8 +29,10 @@ class HybridForCausalLM(nn.Module):
     plain table is freed and the embedding reads its rows from lm_head.
 
     tp: this rank's part of a tensor-parallel model (models/parallel.py): its heads and MLP rows
-    in each layer, 1/N of lm_head's vocabulary rows (the logits gathered on rank 0), the
-    embedding whole."""
+    in each layer, and 1/N of the vocabulary rows of lm_head (the logits gathered on rank 0) and
+    of the embedding (each rank looks up the ids it holds, zeros elsewhere, and the rows are
+    summed across ranks: one all-reduce per forward, against V x H x (N-1)/N bytes a rank would
+    hold otherwise, the size of a decoder layer or more)."""
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False, method: LinearMethod | None = None,
                  tp: TensorParallel = SINGLE):
@@ -40,15 +42,18 @@ class HybridForCausalLM(nn.Module):
         # Left uninitialised like every weight here (the loader assigns them): nn.Embedding's own
         # init of a meta table runs through torch's python decompositions, which import dynamo
         # (about 70 MiB resident that an eager engine never uses).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        vocab = tp.by_segments((cfg.vocab_size,))
+        self.embed_tokens = nn.Embedding(vocab.local_size(), cfg.hidden_size,
+                                         _weight=torch.empty(vocab.local_size(), cfg.hidden_size))
+        if tp.size > 1:
+            shard_parameter(self.embed_tokens.weight, vocab)
+            self._first_id = vocab.index * vocab.local_size()
         layers, counts = [], {"full_attention": 0, "linear_attention": 0}
         for i, kind in enumerate(cfg.layer_types):
             layers.append(DecoderLayer(cfg, kind, counts[kind], make_mlp(cfg, i, method, tp), method, tp))
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = _NormWeight(cfg.hidden_size)
-        vocab = tp.by_segments((cfg.vocab_size,))
         self.lm_head = Linear(cfg.hidden_size, vocab.local_size(), method=method,
                               splits={None: vocab} if tp.size > 1 else None, combine=_gathered_logits(tp, cfg.vocab_size))
         # The MTP layer's KV pool comes right after the main model's attention pools.
@@ -59,6 +64,11 @@ class HybridForCausalLM(nn.Module):
         return len(self.cfg.full_attention_layers) + (1 if self.mtp is not None else 0)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size > 1:
+            local = token_ids - self._first_id
+            held = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+            rows = self.embed_tokens(torch.where(held, local, 0)) * held.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+            return self.tp.all_reduce(rows)
         if self.embed_tokens.weight.is_meta:      # tied, and lm_head's method holds the table
             return self.lm_head.rows(token_ids)
         return self.embed_tokens(token_ids)
@@ -104,12 +114,13 @@ class HybridForCausalLM(nn.Module):
             module.process_weights_after_loading()
         _unpin_shared_storages(self)
 
-    def tie_lm_head(self) -> None:
-        """With tied embeddings, once the table is loaded: lm_head takes it and processes it, and
-        where lm_head's method then holds the values in a layout of its own the plain table is
-        freed at once (the embedding reads its rows from lm_head): loading never holds a
-        quantized model beside the float table, the largest tensor of a small model."""
-        self.lm_head.weight_loader("lm_head.weight", self.embed_tokens.weight)
+    def tie_lm_head(self, table: torch.Tensor) -> None:
+        """With tied embeddings, once the checkpoint's table is loaded: lm_head takes it (its part
+        of it under tensor parallelism) and processes it, and where lm_head's method then holds
+        the values in a layout of its own the plain table is freed at once (the embedding reads
+        its rows from lm_head): loading never holds a quantized model beside the float table,
+        the largest tensor of a small model."""
+        self.lm_head.weight_loader("lm_head.weight", table)
         self.lm_head.process_weights_after_loading()
         if self.lm_head.method.holds_weight_elsewhere(self.lm_head) and not self.lm_head.splits:
             table = self.embed_tokens.weight

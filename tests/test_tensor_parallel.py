@@ -168,14 +168,13 @@ def test_each_rank_holds_half_the_sharded_weights_and_cache(dense_ckpt):
     def sizes(size):
         engine = LLMEngine(EngineConfig(model=str(dense_ckpt), dtype="float32", kernel_backend="torch",
                                         max_num_seqs=4, tensor_parallel_size=size))
-        weights = sum(p.numel() for name, p in engine.model.named_parameters()
-                      if "embed_tokens" not in name and "norm" not in name)
+        weights = sum(p.numel() for name, p in engine.model.named_parameters() if "norm" not in name)
         spec = engine.cache.spec
         engine.shutdown()
         return weights, spec.bytes_per_block, spec.bytes_per_slot
 
     whole, half = sizes(1), sizes(2)
-    assert half[0] * 2 == whole[0]          # every projection, conv tap, A_log and dt_bias split in two
+    assert half[0] * 2 == whole[0]          # the embedding, every projection, conv tap, A_log and dt_bias in two
     assert (half[1] * 2, half[2] * 2) == whole[1:]
 
 
@@ -240,11 +239,11 @@ def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, spec, backend):
 
 def _weight_bytes(model, part: str = "") -> int:
     """Bytes of the weights a model holds (its methods' own tensors too: a quantized layer's
-    packed values and scales) in modules whose name holds `part`, less the embedding and the norms
-    (whole on every rank)."""
+    packed values and scales) in modules whose name holds `part`, less the norms (whole on every
+    rank)."""
     total = 0
     for name, module in model.named_modules():
-        if part not in name or "embed_tokens" in name or "norm" in name:
+        if part not in name or "norm" in name:
             continue
         tensors = [t for t in vars(module).values() if isinstance(t, torch.Tensor)]
         tensors += list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
