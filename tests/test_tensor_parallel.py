@@ -237,6 +237,20 @@ def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, spec, backend):
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_moe_families_at_tp4_give_tp1_tokens(tmp_path, family):
+    """4 GDN key heads over 4 ranks, KV heads replicated over pairs, one whole expert per rank."""
+    save_checkpoint(make_hf_model(family, full_attention_interval=2, linear_num_key_heads=4), tmp_path)
+    prompts = _prompts(n=3, vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 4):
+        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    _assert_same(*runs)
+
+
 def _weight_bytes(model, part: str = "") -> int:
     """Bytes of the weights a model holds (its methods' own tensors too: a quantized layer's
     packed values and scales) in modules whose name holds `part`, less the norms (whole on every
