@@ -72,6 +72,14 @@ class StepFailedError(RuntimeError):
         self.request_ids = request_ids
 
 
+def check_splits(config: EngineConfig) -> None:
+    """ValueError where tensor_parallel_size does not split the model (its heads, experts,
+    quantization groups), before any process starts or joins the group."""
+    gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
+    check_tensor_parallel(gguf_file.config if gguf_file is not None else load_config(config.model),
+                          config.tensor_parallel_size, tensor_parallel_group_size(config, gguf_file))
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot go on (vLLM's name): every pending and later call raises it at once."""
 
@@ -92,9 +100,7 @@ class LLMEngine:
         # Tensor parallelism: the workers start first and load their parts beside the driver's.
         self.tp_group = None
         if config.tensor_parallel_size > 1:
-            gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
-            check_tensor_parallel(gguf_file.config if gguf_file is not None else load_config(config.model),
-                                  config.tensor_parallel_size, tensor_parallel_group_size(config, gguf_file))
+            check_splits(config)
             self.tp_group = TensorParallelGroup(config, config.tensor_parallel_size)
         try:
             self._wire(config, k)

@@ -188,7 +188,9 @@ def serve_if_worker_rank(config) -> None:
     launch = TorchrunLaunch.from_environment(config.tensor_parallel_size)
     if launch is None or launch.rank == 0:
         return
-    _check_model_for_workers(config)
+    from .engine import check_splits        # (engine.py imports this module)
+    _resolve_default_model(config)
+    check_splits(config)                    # every rank refuses a size that does not split, as rank 0 does
     dist.init_process_group("gloo", init_method="env://", rank=launch.rank, world_size=launch.world_size,
                             timeout=WORKER_IDLE_TIMEOUT)
     try:
@@ -198,7 +200,7 @@ def serve_if_worker_rank(config) -> None:
     raise SystemExit(0)
 
 
-def _check_model_for_workers(config) -> None:
+def _resolve_default_model(config) -> None:
     if config.model is None:
         from .default_model import default_model_path
         config.model = str(default_model_path())

@@ -491,6 +491,15 @@ def test_a_launcher_group_of_another_size_is_refused(dense_ckpt, monkeypatch):
         LLM(model=str(dense_ckpt), kernel_backend="torch", tensor_parallel_size=2)
 
 
+def test_a_torchrun_worker_rank_refuses_a_size_that_does_not_split(dense_ckpt, monkeypatch):
+    """Rank 1 checks the model itself before joining: it fails at once, as rank 0 does, rather
+    than waiting in the rendezvous for a driver that has refused to start."""
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not split"):
+        LLM(model=str(dense_ckpt), kernel_backend="torch", tensor_parallel_size=3)
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
