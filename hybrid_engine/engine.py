@@ -28,7 +28,7 @@ from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
 from .prompt import PreparedPrompt, encode_prompt
 from .checkpoint_formats.gguf import GgufFile, is_gguf
-from .quantization import quantized_layers, tensor_parallel_group_size
+from .quantization import quantized_layers, tensor_parallel_blocks
 from .prefix_caching import PrefixCaching
 from .grammar_compiler import GrammarCompiler
 from .request import Request
@@ -94,7 +94,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
             check_tensor_parallel(gguf_file.config if gguf_file is not None else load_config(config.model),
-                                  config.tensor_parallel_size, tensor_parallel_group_size(config, gguf_file))
+                                  config.tensor_parallel_size, *tensor_parallel_blocks(config, gguf_file))
             self.tp_group = TensorParallelGroup(config, config.tensor_parallel_size)
         try:
             self._wire(config, k)
