@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from hybrid_engine.checkpoint_formats.gptq import Gptq
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models import load_model
 from hybrid_engine.models.parallel import Split, TensorParallel
@@ -668,3 +669,17 @@ def test_split_takes_each_segment_s_part_and_pads():
     assert Split(0, (10,), 4, 3).take(full).flatten().tolist() == [9, 0, 0]
     assert Split(0, (4,), 2, 0).full_shape((2, 1)) == (4, 1)
     assert Split(1, (64, 128), 2, 1).per_entry(32) == Split(1, (2, 4), 2, 1)        # group scales
+
+
+def test_stored_tensors_are_cut_along_their_own_dims_in_whole_words():
+    """GPTQ's qweight [in * bits / 32, out] is cut by its rows for an input-column split and by
+    its columns for an output-row one; a part that would split a packed word of zero points (a
+    quantized lm_head split unevenly: what the start-up check does not see) is an error."""
+    scheme = Gptq(4, 32, 0, symmetric=False)
+    qweight = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)          # in 64, out 16
+    assert torch.equal(scheme.rank_part("x.qweight", qweight, Split(1, (64,), 2, 1)), qweight[4:])
+    assert torch.equal(scheme.rank_part("x.qweight", qweight, Split(0, (16,), 2, 1)), qweight[:, 8:])
+    g_idx = torch.arange(64, dtype=torch.int32) // 32
+    assert scheme.rank_part("x.g_idx", g_idx, Split(1, (64,), 2, 1)).tolist() == [0] * 32
+    with pytest.raises(ValueError, match="cannot be split into 2 parts of whole groups, blocks or packed words of 8"):
+        scheme.rank_part("lm_head.qzeros", torch.zeros(2, 3, dtype=torch.int32), Split(0, (24,), 2, 0))
