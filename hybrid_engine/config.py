@@ -53,7 +53,7 @@ class EngineConfig:
     prefix_checkpoint_interval: int | None = None
     # Tensor parallelism (hybrid_engine/tensor_parallel.py): the engine's process and N-1 workers it
     # starts each hold 1/N of the heads (models/parallel.py); CPU, eager, float weights, quantized
-    # online (each rank its own part) or GGUF files.
+    # online (each rank its own part), GGUF files or folders stored quantized (not GPTQ act-order).
     tensor_parallel_size: int = 1
 
     def validate(self) -> None:

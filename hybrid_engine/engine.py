@@ -28,7 +28,7 @@ from .model_runner import EagerSteps, ModelRunner
 from .outputs import RequestOutput
 from .prompt import PreparedPrompt, encode_prompt
 from .checkpoint_formats.gguf import GgufFile, is_gguf
-from .quantization import quantized_layers, tensor_parallel_group_size
+from .quantization import quantized_layers, tensor_parallel_blocks
 from .prefix_caching import PrefixCaching
 from .grammar_compiler import GrammarCompiler
 from .request import Request
@@ -77,7 +77,7 @@ def check_splits(config: EngineConfig) -> None:
     quantization groups), before any process starts or joins the group."""
     gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
     check_tensor_parallel(gguf_file.config if gguf_file is not None else load_config(config.model),
-                          config.tensor_parallel_size, tensor_parallel_group_size(config, gguf_file))
+                          config.tensor_parallel_size, *tensor_parallel_blocks(config, gguf_file))
 
 
 class EngineDeadError(RuntimeError):

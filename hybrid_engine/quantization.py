@@ -13,7 +13,8 @@ sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_
 on its own (models/mlp.py Experts: one SwiGLU of projection layers per expert after loading).
 A projection whose input width the group size does not divide stays float too, and the
 engine's log says which. Under tensor parallelism each rank quantizes its own part of each
-weight, or takes its whole blocks of a GGUF file's (`tensor_parallel_group_size`).
+weight, or takes its whole blocks of a GGUF file's or a folder stored quantized
+(`tensor_parallel_blocks`).
 
 Checkpoints stored quantized choose per projection instead, as the checkpoint stores it:
 `CheckpointLayers` (compressed-tensors, GPTQ and FP8 folders; MoE experts too, per expert) and
@@ -261,18 +262,25 @@ def quantized_layers(config, float_method: LinearMethod, kernels, gguf_file=None
     return QuantizedLayers(scheme, float_method, native)
 
 
-def tensor_parallel_group_size(config, gguf_file=None) -> int | None:
-    """The group size whose groups tensor parallelism must keep whole (models/parallel.py
-    check_tensor_parallel): a GGUF file's blocks where it holds quantized tensors (each rank
-    takes whole blocks of its rows and columns), else online quantization's, where each rank
-    quantizes its own part of each float weight; None for float weights. A folder stored
-    quantized is refused: its packed tensors are not split by rank yet."""
+def tensor_parallel_blocks(config, gguf_file=None) -> tuple[int | None, int | None]:
+    """What tensor parallelism must keep whole (models/parallel.py check_tensor_parallel): the
+    group size along a projection's input columns, and the block of output rows (None: none).
+    A GGUF file's blocks where it holds quantized tensors (each rank takes whole blocks of its
+    rows and columns); a folder stored quantized, its format's groups or blocks and, along the
+    rows, its packed zero points or FP8 scale blocks (each rank takes its part of the stored
+    tensors: checkpoint_formats/rank_parts.py); else online quantization's groups, where each
+    rank quantizes its own part of each float weight; (None, None) for float weights."""
     from .checkpoint_formats import stored_quantization
     if gguf_file is not None and gguf_file.holds_quantized:
         from .checkpoint_formats.gguf import GROUP
-        return GROUP
-    if gguf_file is None and stored_quantization(config.model) is not None:
-        raise ValueError(f"{config.model} is stored quantized: tensor_parallel_size > 1 takes float checkpoints "
-                         "and GGUF files only yet (quantized online by each rank: quantization='int8' | 'int4')")
+        return GROUP, None
+    stored = None if gguf_file is not None else stored_quantization(config.model)
+    if stored is not None:
+        if getattr(stored, "act_order", False):
+            raise ValueError(f"{config.model} is GPTQ with desc_act (activation order): tensor_parallel_size > 1 "
+                             "does not load it yet, as a rank's input columns of o_proj / down_proj would hold "
+                             "pieces of groups scattered over the input, none whole")
+        rows, columns = stored.split_blocks
+        return columns, rows if rows > 1 else None
     scheme = parse_quantization(config.quantization, config.quantization_group_size)
-    return None if scheme is None else scheme.group_size
+    return (None if scheme is None else scheme.group_size), None

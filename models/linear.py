@@ -89,23 +89,18 @@ class Linear(nn.Module):
         shapes = self.method.checkpoint_tensors(self, prefix)
         if not self.splits:
             return shapes
-        full = {}
-        for name, shape in shapes.items():
-            split = self._split_of(name)
-            full[name] = split.per_entry(split.local_size() // shape[split.dim]).full_shape(shape)
-        return full
+        return {name: self.method.full_shape(name, shape, self._split_of(name)) for name, shape in shapes.items()}
 
     def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
         """Takes one checkpoint tensor (a name of `checkpoint_shapes`), as the method holds it:
         under tensor parallelism the rank's part of it."""
         if self.splits:
-            split = self._split_of(name)
-            loaded = split.per_entry(sum(split.segments) // loaded.shape[split.dim]).take(loaded)
+            loaded = self.method.rank_part(name, loaded, self._split_of(name))
         self.method.load_tensor(self, name, loaded)
 
     def _split_of(self, name: str) -> Split:
-        """The Split of checkpoint tensor `name` (`<...>.<shard>.<tensor>`); a tensor with fewer
-        entries than columns along its dim (group scales) is cut by `Split.per_entry`."""
+        """The Split of checkpoint tensor `name` (`<...>.<shard>.<tensor>`): of the projection's
+        [out, in] weight, which the method maps to each tensor it stores (`LinearMethod.rank_part`)."""
         if self.shards is None:
             return self.splits[None]
         return self.splits[name.rpartition(".")[0].rpartition(".")[2]]

@@ -107,7 +107,7 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
     tensors = _checkpoint_tensors(model)
     expected = {name: shape for name, (shape, _, _) in tensors.items()}
     stream = (source.load_weights(cfg, expected, torch_dtype) if source is not None
-              else load_weights(folder, cfg, expected, torch_dtype))
+              else load_weights(folder, cfg, expected, torch_dtype, other_ranks=_other_ranks_experts(model)))
     keep_mtp = with_mtp and any(name.startswith("mtp.") for name in stream.names)
     if not keep_mtp:
         model.mtp = None
@@ -146,6 +146,13 @@ def load_model(folder: str | Path, dtype: str = "auto", device: str | torch.devi
 # 400 MiB more of freed pages (0.8B dims, int8); after every layer the trims, 6 ms each on a
 # heap that size, took a tenth of the load time.
 TRIM_EVERY_BYTES = 128 << 20
+
+
+def _other_ranks_experts(model: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of the experts that other tensor-parallel ranks hold, where a MoE layer
+    loads its experts stored per expert (a quantized checkpoint's: models/mlp.py Experts)."""
+    return tuple(f"{name}.{e}." for name, m in model.named_modules() if isinstance(m, Experts) and m.per_expert
+                 for e in range(m.num_experts) if not m.first <= e < m.first + m.num_local)
 
 
 def release_freed_memory() -> None:

@@ -208,6 +208,7 @@ def load_weights(
     expected: Mapping[str, torch.Size | tuple[int, ...]],
     dtype: torch.dtype,
     optional_prefixes: tuple[str, ...] = ("mtp.",),
+    other_ranks: tuple[str, ...] = (),
 ) -> WeightStream:
     """Every tensor named in `expected` (internal names -> shapes) from `folder`'s safetensors,
     converted to the internal layout and cast to `dtype`: checked against the headers now, read
@@ -215,6 +216,8 @@ def load_weights(
 
     Tensors under an `optional_prefixes` prefix are all-or-nothing: if the checkpoint has none of
     them they are left out of the result; if it has some, every expected one must be there.
+    Tensors under an `other_ranks` prefix belong to other tensor-parallel ranks (their experts,
+    stored per expert) and are left unread.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -317,6 +320,7 @@ def load_weights(
     ignored: set[str] = set()
     if "lm_head.weight" in provided and "lm_head.weight" not in expected and config.tie_word_embeddings:
         ignored.add("lm_head.weight")  # tied checkpoints may carry a copy of the embedding
+    ignored.update(n for n in provided if n.startswith(other_ranks))
     for prefix in optional_prefixes:
         exp_opt = [n for n in expected if n.startswith(prefix)]
         got_opt = [n for n in provided if n.startswith(prefix)]

@@ -106,14 +106,17 @@ def shard_parameter(param: torch.nn.Parameter, split: Split) -> None:
     param.tp_split = split
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = None) -> None:
+def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = None,
+                          row_block: int | None = None) -> None:
     """ValueError naming each dimension of `cfg` that tensor_parallel_size `size` cannot split
     and the sizes that work (checked by the engine before any process starts). group_size: a
     quantized model's (online quantization's, where each rank quantizes its own part; a GGUF
-    file's blocks): the input columns of a projection whose partial outputs the ranks sum
-    (o_proj, out_proj, down_proj) must then split into whole groups, or a rank's groups would
-    not be the whole model's (where the width holds no whole groups at all, the projection stays
-    float at any size)."""
+    file's blocks; a folder stored quantized, its groups or blocks): the input columns of a
+    projection whose partial outputs the ranks sum (o_proj, out_proj, down_proj) must then split
+    into whole groups, or a rank's groups would not be the whole model's (where the width holds
+    no whole groups at all, the projection stays float at any size). row_block: the output rows
+    a rank's part of a stored tensor must hold whole (packed zero points, FP8 scale blocks), for
+    the projections split by their rows (q / k / v, GDN's in_proj, gate / up)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if size == 1:
@@ -121,12 +124,16 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = 
     dims = _dimensions(cfg)
     grouped = ([] if group_size is None else
                [(name, count, _in_groups(group_size)) for name, count in _split_columns(cfg)])
+    blocked = ([] if row_block is None else
+               [(name, count, _in_row_blocks(row_block, heads)) for name, count, heads in _split_rows(cfg)])
     uneven = [f"{name} ({count})" for name, count, ok in dims if not ok(count, size)]
     cut = [f"{name} ({count})" for name, count, ok in grouped if not ok(count, size)]
-    if uneven or cut:
-        works = [n for n in range(1, 65) if all(ok(count, n) for _, count, ok in dims + grouped)]
+    cut_rows = [f"{name} ({count})" for name, count, ok in blocked if not ok(count, size)]
+    if uneven or cut or cut_rows:
+        works = [n for n in range(1, 65) if all(ok(count, n) for _, count, ok in dims + grouped + blocked)]
         what = [f"{', '.join(uneven)} evenly"] if uneven else []
         what += [f"{', '.join(cut)} into whole quantization groups of {group_size} per rank"] if cut else []
+        what += [f"{', '.join(cut_rows)} into whole blocks of {row_block} rows per rank"] if cut_rows else []
         raise ValueError(f"tensor_parallel_size {size} does not split {'; nor '.join(what)}; "
                          f"sizes that work for this model: {', '.join(map(str, works))}")
 
@@ -141,6 +148,12 @@ def _divides_or_replicates(count: int, size: int) -> bool:
 
 def _in_groups(group_size: int) -> Callable[[int, int], bool]:
     return lambda count, size: count % group_size != 0 or count % (size * group_size) == 0
+
+
+def _in_row_blocks(block: int, heads: int) -> Callable[[int, int], bool]:
+    """A rank's rows of a projection split by `heads` (replicated where fewer than ranks) are
+    whole blocks."""
+    return lambda count, size: count % min(heads, size) == 0 and count // min(heads, size) % block == 0
 
 
 def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], bool]]]:
@@ -168,3 +181,19 @@ def _split_columns(cfg: ModelConfig) -> list[tuple[str, int]]:
     if any(moe):
         widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
     return widths
+
+
+def _split_rows(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """The output heights of the projections split by their rows, each with the heads it splits
+    by (its own height where it splits by rows)."""
+    rows = [("num_attention_heads x head_dim", cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads),
+            ("num_key_value_heads x head_dim", cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads),
+            ("linear_num_key_heads x linear_key_head_dim", cfg.key_dim, cfg.key_dim),
+            ("linear_num_value_heads x linear_value_head_dim", cfg.value_dim, cfg.value_dim)]
+    moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
+    if not all(moe):
+        rows.append(("intermediate_size", cfg.intermediate_size, cfg.intermediate_size))
+    if any(moe):
+        rows.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+                     cfg.shared_expert_intermediate_size))
+    return rows

@@ -7,62 +7,19 @@ ones, `model.language_model.` names; broken ones are one error naming the tensor
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from hybrid_engine import EngineConfig, LLMEngine
-from hybrid_engine.checkpoint_formats import fp8
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.kernels.linear.reference import shard_names
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine.quantization import Quantization, QuantizedLayers
 
-from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, to_fp8
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, write_fp8_pair
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# What Qwen's FP8 releases store in FP8 (PEERS.md): the projections and every expert's, not
-# lm_head, mtp.fc, GDN's b / a or the router; Qwen3-Next's grouped in_proj_qkvz stays 16-bit in
-# these tests (its FP8 form is not read yet).
-FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
-               "up_proj", "down_proj")
-
-
-def _is_fp8(name: str) -> bool:
-    module = name.removesuffix(".weight").rpartition(".")[2]
-    return name.endswith(".weight") and module in FP8_MODULES
-
-
-def write_fp8_pair(src: Path, fp8_dir: Path, float_dir: Path, block: int, scale_dtype: torch.dtype,
-                   language_model_prefix: bool = False) -> set[str]:
-    """An FP8 copy of `src` and a float copy of its dequantized values; -> the FP8 projections'
-    internal names (without `.weight`)."""
-    tensors = load_file(str(src / "model.safetensors"))
-    as_fp8, dequantized, names = {}, {}, set()
-    for name, t in tensors.items():
-        stored = name.replace("model.", "model.language_model.", 1) if language_model_prefix else name
-        if _is_fp8(name):
-            values, scale = to_fp8(t, block, scale_dtype)
-            base = stored.removesuffix(".weight")
-            as_fp8[f"{base}.weight"], as_fp8[f"{base}.weight_scale_inv"] = values, scale
-            rows, cols = t.shape
-            expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-            dequantized[name] = values.float() * expanded
-            names.add(name.removeprefix("model.").removesuffix(".weight"))
-        else:
-            as_fp8[stored] = dequantized[name] = t
-    for folder, out in ((fp8_dir, as_fp8), (float_dir, dequantized)):
-        folder.mkdir()
-        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((src / "config.json").read_text())
-        if folder == fp8_dir:
-            config["quantization_config"] = fp8.quantization_config((block, block), ["lm_head", "mtp.fc"])
-        (folder / "config.json").write_text(json.dumps(config))
-    return names
 
 
 class SameProjectionsOnline(QuantizedLayers):
@@ -80,10 +37,6 @@ class SameProjectionsOnline(QuantizedLayers):
             return self.float_method
         return QuantizedLinearMethod(8, 32, native=self.native, float_method=self.float_method, float_shards=tuple(
             base.rpartition(".")[2] for base in bases if base not in self.fp8_names))
-
-
-
-
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -114,8 +67,6 @@ def fp8_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     write_fp8_pair(src, root / "fp8", root / "float", 32, torch.bfloat16)
     return root / "fp8"
-
-
 
 
 SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"

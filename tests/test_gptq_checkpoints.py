@@ -7,82 +7,21 @@ unsupported ones are one error naming the tensor or field."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from hybrid_engine import EngineConfig, LLMEngine
 from hybrid_engine.checkpoint_formats.int32_fields import pack_fields
 from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.checkpoint_formats.gptq import Gptq
-from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
+from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize
 from hybrid_engine.models.config import CheckpointError
 
-from quantized_checkpoints import asymmetric_codes, asymmetric_dequantized, broken_copy, greedy_runs, mtp_engine
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, write_gptq_pair
 from spec_models import make_spec_checkpoint
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# GPTQ releases quantize the projections, each MoE expert's too; lm_head, the embeddings, GDN's
-# b / a, mtp.fc and the router stay 16-bit
-GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
-                "up_proj", "down_proj")
 needs_native = pytest.mark.skipif(not native_cpu_available(), reason="no native kernels at this CPU level")
-
-
-def _is_gptq(name: str) -> bool:
-    module = name.removesuffix(".weight").rpartition(".")[2]
-    return name.endswith(".weight") and module in GPTQ_MODULES
-
-
-def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group: int, desc_act: bool,
-                    version: str = "gptq", sym: bool = True) -> None:
-    """A GPTQ copy of `src` and a float copy of its dequantized values. With desc_act each input
-    width gets one random column order (projections that read the same input share it, as
-    GPTQ's order comes from that input's statistics). sym=False: random zero points (at least
-    1 for v1, which stores each less one)."""
-    tensors = load_file(str(src / "model.safetensors"))
-    orders: dict[int, torch.Tensor] = {}
-    as_gptq, dequantized = {}, {}
-    middle = 1 << (bits - 1)
-    for name, w in tensors.items():
-        if not _is_gptq(name) or w.shape[1] % group:          # (a width the group does not divide: 16-bit)
-            as_gptq[name] = dequantized[name] = w
-            continue
-        out, cols = w.shape
-        order = orders.setdefault(cols, torch.randperm(cols, generator=torch.Generator().manual_seed(cols))
-                                  if desc_act else torch.arange(cols))
-        if sym:                                                    # groups over the ordered columns
-            qw = quantize(w[:, order], bits, group)
-            codes, scales = qw.values.to(torch.int64) + middle, qw.scales
-            zeros = torch.full(scales.shape, middle)
-        else:
-            codes, zeros, scales = asymmetric_codes(w[:, order], bits, group, seed=len(as_gptq),
-                                                    lowest_zero=1 if version == "gptq" else 0)
-        stored = torch.empty_like(codes).index_copy_(1, order, codes)            # back in stored order
-        g_idx = torch.empty(cols, dtype=torch.int32).index_copy_(
-            0, order, (torch.arange(cols) // group).to(torch.int32))
-        base = name.removesuffix(".weight")
-        as_gptq[f"{base}.qweight"] = pack_fields(stored.t(), bits, dim=0)
-        as_gptq[f"{base}.qzeros"] = pack_fields(zeros.t() - (1 if version == "gptq" else 0), bits, dim=1)
-        as_gptq[f"{base}.scales"] = scales.t().contiguous()
-        as_gptq[f"{base}.g_idx"] = g_idx
-        values = asymmetric_dequantized(codes, zeros, scales, group)
-        dequantized[name] = torch.empty_like(w).index_copy_(1, order, values)
-    for folder, out in ((gptq_dir, as_gptq), (float_dir, dequantized)):
-        folder.mkdir()
-        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((src / "config.json").read_text())
-        if folder == gptq_dir:
-            config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                                             "desc_act": desc_act, "sym": sym, "checkpoint_format": version}
-        (folder / "config.json").write_text(json.dumps(config))
-
-
-
-
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -140,8 +79,6 @@ def gptq_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("gptq")
     write_gptq_pair(src, root / "gptq", root / "float", 4, 32, True)
     return root / "gptq"
-
-
 
 
 @pytest.fixture(scope="module")

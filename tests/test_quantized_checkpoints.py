@@ -9,13 +9,12 @@ is one error naming the tensor or field."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32, unpack_int32
@@ -26,9 +25,9 @@ from hybrid_engine.models.config import CheckpointError
 from hybrid_engine import quantization
 from hybrid_engine.models.linear import Linear
 from hybrid_engine.quantization import Quantization
-from hybrid_engine.quantize_checkpoint import quantized_names, write_checkpoint, write_quantized
+from hybrid_engine.quantize_checkpoint import write_quantized
 
-from quantized_checkpoints import asymmetric_codes, asymmetric_dequantized, broken_copy, greedy_runs, mtp_engine
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, write_asymmetric_pair
 from checkpoints import make_hf_model, save_checkpoint
 from spec_models import make_spec_checkpoint
 
@@ -38,10 +37,6 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 @pytest.fixture(scope="module", params=FAMILIES)
 def ckpt(request, tmp_path_factory):
     return make_spec_checkpoint(tmp_path_factory.mktemp(request.param), request.param, embed_scale=1.6)
-
-
-
-
 
 
 @pytest.mark.parametrize("method,group", [("int8", 32), ("int4", 32), ("int4", 64)])
@@ -85,32 +80,6 @@ def test_fused_experts_are_written_per_expert(tmp_path):
     for name in ("model.layers.1.mlp.experts.3.up_proj.weight_packed", "mtp.layers.0.mlp.experts.0.down_proj.weight_scale"):
         assert name in written[True]
     assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in written[True])
-
-
-def write_asymmetric_pair(src: Path, ct_dir: Path, float_dir: Path, bits: int, group: int) -> None:
-    """A compressed-tensors checkpoint of `src` with zero points (symmetric: false) and a float
-    copy of its dequantized weights: the projections `hybrid-engine quantize` quantizes, each
-    coded asymmetrically with random zero points (compressed-tensors' signed codes: each code
-    and zero point less 2^(bits-1), the zero points packed along the output dimension)."""
-    # every projection at `bits` (the lm_head too: one config group), MoE experts left float
-    wanted = [n for n in quantized_names(src, Quantization(f"int{bits}", group)) if ".experts." not in n]
-    names = write_checkpoint(src, ct_dir, dict.fromkeys(wanted, bits), group)
-    source, tensors = load_file(str(src / "model.safetensors")), load_file(str(ct_dir / "model.safetensors"))
-    dequantized = dict(source)
-    middle = 1 << (bits - 1)
-    for seed, key in enumerate(sorted(names)):
-        base = key.removesuffix(".weight")
-        codes, zeros, scales = asymmetric_codes(source[key], bits, group, seed)
-        tensors[f"{base}.weight_packed"] = pack_int32(codes - middle, bits)
-        tensors[f"{base}.weight_scale"] = scales
-        tensors[f"{base}.weight_zero_point"] = pack_int32(zeros - middle, bits, dim=0)
-        dequantized[key] = asymmetric_dequantized(codes, zeros, scales, group).to(source[key].dtype)
-    save_file(tensors, str(ct_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((ct_dir / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
-    (ct_dir / "config.json").write_text(json.dumps(config))
-    shutil.copytree(src, float_dir)
-    save_file(dequantized, str(float_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
@@ -206,8 +175,6 @@ def int4_checkpoint(tmp_path_factory):
     dst = tmp_path_factory.mktemp("q") / "q"
     write_quantized(src, dst, Quantization("int4", 32))
     return dst
-
-
 
 
 SCALE = "model.layers.0.mlp.down_proj.weight_scale"

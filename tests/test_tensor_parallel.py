@@ -1,8 +1,8 @@
 """Tensor parallelism (hybrid_engine/tensor_parallel.py, models/parallel.py): TP=2 and TP=4 give
 TP=1's greedy tokens and logprobs in float32 (prefix hits, n samples, chunked prefill and
 preemption included; Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next, the experts split whole over the
-ranks; with MTP drafts too), online int8 / int4 quantization and GGUF files give TP=1's
-quantized tokens, head counts and splits that would cut quantization groups are refused before
+ranks; with MTP drafts too), online int8 / int4 quantization, GGUF files and folders stored
+quantized (compressed-tensors, GPTQ, FP8) give TP=1's quantized tokens, head counts and splits that would cut quantization groups are refused before
 any process starts, and no worker outlives its engine: shutdown, a dead worker, the
 interpreter's exit."""
 
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from hybrid_engine.checkpoint_formats.gptq import Gptq
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models import load_model
 from hybrid_engine.models.parallel import Split, TensorParallel
@@ -29,6 +30,7 @@ from hybrid_engine.quantize_checkpoint import write_quantized
 from checkpoints import make_hf_model, save_checkpoint, save_tokenizer
 from gguf_files import write_gguf
 from engine_checks import assert_no_leak, budget_for_blocks
+from quantized_checkpoints import write_asymmetric_pair, write_fp8_pair, write_gptq_pair
 from spec_models import make_spec_checkpoint
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
@@ -341,10 +343,58 @@ def test_a_split_that_cuts_quantization_groups_is_refused(tmp_path):
     assert _children() == before
 
 
-def test_a_checkpoint_stored_quantized_is_refused(dense_ckpt, tmp_path):
-    write_quantized(dense_ckpt, tmp_path / "int8", Quantization("int8"))
-    with pytest.raises(ValueError, match="is stored quantized: tensor_parallel_size > 1 takes float checkpoints"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "int8"), dtype="float32", tensor_parallel_size=2))
+def _stored_quantized(src, dst, fmt: str):
+    """A copy of `src` stored quantized in `fmt`, as the checkpoint format tests write them."""
+    if fmt == "compressed-int4":
+        write_quantized(src, dst, Quantization("int4", 32))
+    elif fmt == "compressed-int4-zero-points":
+        write_asymmetric_pair(src, dst, dst.with_name("float"), 4, 32)
+    elif fmt.startswith("gptq"):
+        write_gptq_pair(src, dst, dst.with_name("float"), 4, 32, desc_act=fmt == "gptq-act-order", sym=False)
+    else:
+        write_fp8_pair(src, dst, dst.with_name("float"), int(fmt.removeprefix("fp8-")), torch.bfloat16)
+    return dst
+
+
+@pytest.mark.parametrize("family, fmt", [("qwen3_5", "compressed-int4"), ("qwen3_5", "compressed-int4-zero-points"),
+                                         ("qwen3_5", "gptq"), ("qwen3_5", "fp8-16"), ("qwen3_5_moe", "gptq")])
+def test_stored_quantized_folder_at_tp2_gives_tp1_tokens(dense_ckpt, tmp_path, family, fmt):
+    """Each rank takes its part of the stored tensors (values, scales, zero points, g_idx): rows
+    for the column splits, input columns cut at the same group / block for o_proj, out_proj and
+    down_proj; GPTQ's transposed tensors along their own dims. MoE: each rank reads only its
+    experts, stored per expert, whole."""
+    src = dense_ckpt
+    if family != "qwen3_5":
+        src = tmp_path / "src"
+        save_checkpoint(make_hf_model(family, full_attention_interval=2, shared_expert_intermediate_size=64), src)
+    path = _stored_quantized(src, tmp_path / "q", fmt)
+    prompts = _prompts(n=3, vocab=256)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in (1, 2):
+        llm = LLM(model=str(path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+        layers = dict(llm.engine.model.named_modules())
+        mlp = ("layers.0.mlp.down_proj",) if family == "qwen3_5" else ("layers.0.mlp.experts.1.down_proj",
+                                                                       "layers.0.mlp.shared_expert.down_proj")
+        for name in ("layers.0.linear_attn.out_proj", "layers.1.self_attn.o_proj", "layers.1.self_attn.qkv_proj", *mlp):
+            assert isinstance(layers[name].method, QuantizedLinearMethod), name
+        if family != "qwen3_5":
+            assert ("layers.0.mlp.experts.2.down_proj" in layers) == (size == 1)       # rank 0: experts 0, 1
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("fmt, message", [
+    ("fp8-32", r"tensor_parallel_size 2 does not split linear_num_key_heads x linear_key_head_dim \(32\) into "
+               r"whole blocks of 32 rows per rank; sizes that work for this model: 1\b"),
+    ("gptq-act-order", r"GPTQ with desc_act \(activation order\): tensor_parallel_size > 1 does not load it yet")])
+def test_stored_quantized_splits_that_would_cut_blocks_are_refused(dense_ckpt, tmp_path, fmt, message):
+    path = _stored_quantized(dense_ckpt, tmp_path / "q", fmt)
+    before = _children()
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+    assert _children() == before
 
 
 @pytest.mark.parametrize("family, qtype", [("qwen3_5", "Q8_0"), ("qwen3_next", "Q4_0")])
@@ -628,3 +678,17 @@ def test_split_takes_each_segment_s_part_and_pads():
     assert Split(0, (10,), 4, 3).take(full).flatten().tolist() == [9, 0, 0]
     assert Split(0, (4,), 2, 0).full_shape((2, 1)) == (4, 1)
     assert Split(1, (64, 128), 2, 1).per_entry(32) == Split(1, (2, 4), 2, 1)        # group scales
+
+
+def test_stored_tensors_are_cut_along_their_own_dims_in_whole_words():
+    """GPTQ's qweight [in * bits / 32, out] is cut by its rows for an input-column split and by
+    its columns for an output-row one; a part that would split a packed word of zero points (a
+    quantized lm_head split unevenly: what the start-up check does not see) is an error."""
+    scheme = Gptq(4, 32, 0, symmetric=False)
+    qweight = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16)          # in 64, out 16
+    assert torch.equal(scheme.rank_part("x.qweight", qweight, Split(1, (64,), 2, 1)), qweight[4:])
+    assert torch.equal(scheme.rank_part("x.qweight", qweight, Split(0, (16,), 2, 1)), qweight[:, 8:])
+    g_idx = torch.arange(64, dtype=torch.int32) // 32
+    assert scheme.rank_part("x.g_idx", g_idx, Split(1, (64,), 2, 1)).tolist() == [0] * 32
+    with pytest.raises(ValueError, match="cannot be split into 2 parts of whole groups, blocks or packed words of 8"):
+        scheme.rank_part("lm_head.qzeros", torch.zeros(2, 3, dtype=torch.int32), Split(0, (24,), 2, 0))

@@ -8,6 +8,8 @@ one per expert (`mlp.experts.{e}.down_proj.<marker>`: how every format stores th
     fp8.py                  Qwen's block-scaled FP8 releases, requantized to int8 at load
     gptq.py                 AutoGPTQ / GPTQModel int4 / int8 (symmetric or with zero points;
                             act-order too)
+    rank_parts.py           each rank's part of a format's stored tensors under tensor
+                            parallelism (every format; GPTQ's act-order refused)
 """
 
 from __future__ import annotations

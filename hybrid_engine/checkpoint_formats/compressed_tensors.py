@@ -36,6 +36,7 @@ from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
 from hybrid_engine.models.config import CheckpointError
 
 from .int32_fields import pack_fields, unpack_fields
+from .rank_parts import Along, cut, full_shape
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
@@ -78,6 +79,29 @@ class PackQuantized:
             zeros = unpack_int32(zero_point, self.bits, rows, dim=0)
         return QuantizedWeight(values, scales, self.bits, self.group_size, zeros=zeros)
 
+    @property
+    def split_blocks(self) -> tuple[int, int]:
+        """The weight's rows and input columns a rank's part must hold whole: the zero points'
+        packed words along the rows, the groups along the columns."""
+        return (1 if self.symmetric else 32 // self.bits), self.group_size
+
+    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
+        suffix = name.rpartition(".")[2]
+        if suffix == "weight_shape":                  # the rank's [out, in], as `read` checks it
+            local = tensor.reshape(-1).clone()
+            local[split.dim] = split.local_size()
+            return local
+        return cut(tensor, split, self._along(suffix)[split.dim], name)
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        suffix = name.rpartition(".")[2]
+        return tuple(shape) if suffix == "weight_shape" else full_shape(shape, split, self._along(suffix)[split.dim])
+
+    def _along(self, suffix: str) -> tuple[Along, Along]:
+        words, groups = 32 // self.bits, Along(1, self.group_size)
+        return {"weight_packed": (Along(0, 1), Along(1, words)), "weight_scale": (Along(0, 1), groups),
+                "weight_zero_point": (Along(0, words), groups)}[suffix]
+
 
 def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     """int8 values [out, in] -> weight_packed int32 [out, ceil(in * bits / 32)]; dim=0: zero
@@ -114,6 +138,12 @@ class ConfigGroups:
             raise CheckpointError(f"{self.where}.config_groups: {module} is matched by the targets of "
                                   f"{' and '.join(name for name, _ in found)}; a module belongs to one group")
         return found[0][1]
+
+    @property
+    def split_blocks(self) -> tuple[int, int]:
+        """PackQuantized.split_blocks that every group's modules keep whole."""
+        blocks = [scheme.split_blocks for _, _, scheme in self.groups]
+        return math.lcm(*(rows for rows, _ in blocks)), math.lcm(*(columns for _, columns in blocks))
 
 
 def target_matches(target: str, module: str) -> bool:

@@ -30,6 +30,8 @@ import torch
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, quantize
 from hybrid_engine.models.config import CheckpointError
 
+from .rank_parts import Along, cut, full_shape
+
 QUANT_METHOD = "fp8"
 REQUANTIZED_BITS, REQUANTIZED_GROUP = 8, 32
 
@@ -60,6 +62,22 @@ class Fp8Blocks:
         if not torch.isfinite(weight).all():
             raise CheckpointError(f"tensor {name}.weight times its weight_scale_inv holds NaN or Inf")
         return quantize(weight, self.bits, self.group_size)
+
+    @property
+    def split_blocks(self) -> tuple[int, int]:
+        """The weight's rows and input columns a rank's part must hold whole: the scale blocks."""
+        return self.block_rows, self.block_cols
+
+    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
+        return cut(tensor, split, self._along(name.rpartition(".")[2])[split.dim], name)
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
+
+    def _along(self, suffix: str) -> tuple[Along, Along]:
+        if suffix == "weight":
+            return Along(0, 1), Along(1, 1)
+        return Along(0, self.block_rows), Along(1, self.block_cols)
 
 
 def read_config(quant: dict, where: str) -> Fp8Blocks:

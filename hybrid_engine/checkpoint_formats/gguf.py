@@ -41,6 +41,7 @@ from hybrid_engine.models.loader import WeightStream, split_ba
 from .gguf_config import model_config
 from .gguf_layout import VHeadOrder, stored_in, to_engine
 from .gguf_tokenizer import gguf_tokenizer
+from .rank_parts import Along, cut, full_shape
 
 log = logging.getLogger("hybrid_engine")
 
@@ -75,6 +76,15 @@ class GgufBlocks:
 
     def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
         return QuantizedWeight(tensors["weight_values"], tensors["weight_scales"], self.bits, GROUP)
+
+    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
+        return cut(tensor, split, self._along(name.rpartition(".")[2])[split.dim], name)
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
+
+    def _along(self, suffix: str) -> tuple[Along, Along]:
+        return Along(0, 1), Along(1, 1 if suffix == "weight_values" else GROUP)
 
 
 def _shape(tensor) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
 from hybrid_engine.models.config import CheckpointError
 
 from .int32_fields import unpack_fields
+from .rank_parts import Along, cut, full_shape
 
 QUANT_METHOD = "gptq"
 
@@ -39,6 +40,7 @@ class Gptq:
     group_size: int
     zero_offset: int                         # v1 stores each zero point less one
     symmetric: bool = True
+    act_order: bool = False                  # desc_act, which tensor parallelism refuses (quantization.py)
     marker: str = "qweight"
 
     def scheme_for(self, module: str):
@@ -76,6 +78,32 @@ class Gptq:
                                self.bits, self.group_size, None if in_order else order,
                                None if self.symmetric else zeros.t().to(torch.int8).contiguous())
 
+    @property
+    def split_blocks(self) -> tuple[int, int]:
+        """The weight's rows and input columns a rank's part must hold whole: the zero points'
+        packed words along the rows (stored even where symmetric), the groups along the columns."""
+        return 32 // self.bits, self.group_size
+
+    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
+        suffix = name.rpartition(".")[2]
+        part = cut(tensor, split, self._along(suffix)[split.dim], name)
+        if suffix == "g_idx" and split.dim == 1:
+            # With act-order a group's columns are scattered over the input, so a rank's input
+            # columns would hold pieces of many groups, none whole: the kernels need whole ones.
+            if not torch.equal(tensor.to(torch.int64), torch.arange(tensor.numel()) // self.group_size):
+                raise CheckpointError(f"tensor {name} orders the columns by activation (desc_act), which "
+                                      "tensor_parallel_size > 1 does not split yet")
+            part = part - part[0]                  # the rank's groups from 0
+        return part
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
+
+    def _along(self, suffix: str) -> tuple[Along | None, Along]:
+        words, groups = 32 // self.bits, Along(0, self.group_size)
+        return {"qweight": (Along(1, 1), Along(0, words)), "qzeros": (Along(1, words), groups),
+                "scales": (Along(1, 1), groups), "g_idx": (None, Along(0, 1))}[suffix]
+
 
 def read_config(quant: dict, where: str) -> Gptq:
     """quantization_config (quant_method gptq) -> its scheme; CheckpointError naming the field."""
@@ -92,4 +120,4 @@ def read_config(quant: dict, where: str) -> Gptq:
     version = quant.get("checkpoint_format", "gptq")
     if version not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"{where}.checkpoint_format {version!r} is not supported (gptq or gptq_v2)")
-    return Gptq(bits, group, 1 if version == "gptq" else 0, symmetric)
+    return Gptq(bits, group, 1 if version == "gptq" else 0, symmetric, bool(quant.get("desc_act", False)))

@@ -295,6 +295,14 @@ class QuantizedCheckpoint(Protocol):
     def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
         """The projection `name`'s tensors (by suffix) -> its weight; ValueError naming what is wrong."""
 
+    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
+        """Under tensor parallelism: this rank's part of the stored tensor `name`, `split` being
+        the rank's part of the [out, in] weight (LinearMethod.rank_part); `read` then takes the
+        parts as a projection of the rank's sizes."""
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        """The stored shape of tensor `name`, of which this rank holds `shape`."""
+
 
 class QuantizedLinearMethod(LinearMethod):
     """A layer whose float weight is quantized once after loading (online quantization), or
@@ -349,6 +357,16 @@ class QuantizedLinearMethod(LinearMethod):
                 tensors.update({f"{name}.{suffix}": shape for suffix, shape
                                 in self.checkpoint.tensor_shapes(rows, layer.in_features).items()})
         return tensors
+
+    def rank_part(self, name: str, loaded: torch.Tensor, split) -> torch.Tensor:
+        if self.checkpoint is None or self._is_float_shard(name.rpartition(".")[0]):
+            return super().rank_part(name, loaded, split)
+        return self.checkpoint.rank_part(name, loaded, split)
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        if self.checkpoint is None or self._is_float_shard(name.rpartition(".")[0]):
+            return super().full_shape(name, shape, split)
+        return self.checkpoint.full_shape(name, shape, split)
 
     def load_tensor(self, layer: nn.Module, name: str, loaded: torch.Tensor) -> None:
         if self.checkpoint is None:

@@ -65,6 +65,17 @@ class LinearMethod:
         A merged layer (layer.shards) names each of its projections: `<parent>.<shard>.weight`."""
         return {f"{name}.weight": (rows, layer.in_features) for name, rows in shard_names(layer, prefix)}
 
+    def rank_part(self, name: str, loaded: torch.Tensor, split) -> torch.Tensor:
+        """Under tensor parallelism: this rank's part of checkpoint tensor `name`, where `split`
+        (models/parallel.py Split) is the rank's part of the projection's [out, in] weight. A
+        tensor with fewer entries than the weight along the split's dim (group scales) is cut at
+        the same groups (`Split.per_entry`)."""
+        return split.per_entry(sum(split.segments) // loaded.shape[split.dim]).take(loaded)
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        """The checkpoint's shape of tensor `name`, of which this rank holds `shape` (`rank_part`)."""
+        return split.per_entry(split.local_size() // shape[split.dim]).full_shape(shape)
+
     def load_tensor(self, layer: nn.Module, name: str, loaded: torch.Tensor) -> None:
         """Takes one checkpoint tensor (a name of `checkpoint_tensors`). A single projection keeps
         the loaded tensor itself (no copy); a merged one writes it into its rows."""

@@ -1,11 +1,13 @@
 """What the quantized-checkpoint tests share: an engine on a tiny checkpoint, its greedy runs,
-broken copies of a checkpoint, FP8 block quantization as Qwen's FP8 releases store it, and
-asymmetric codes for the formats with zero points."""
+broken copies of a checkpoint, FP8 block quantization as Qwen's FP8 releases store it,
+asymmetric codes for the formats with zero points, and stored-quantized copies of a float
+checkpoint in each format beside a float copy of their dequantized weights."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_engine import EngineConfig, LLMEngine, SamplingParams
+from hybrid_engine.checkpoint_formats import fp8
+from hybrid_engine.checkpoint_formats.compressed_tensors import pack_int32
+from hybrid_engine.checkpoint_formats.int32_fields import pack_fields
+from hybrid_engine.kernels.linear.quantized import quantize
+from hybrid_engine.quantization import Quantization
+from hybrid_engine.quantize_checkpoint import quantized_names, write_checkpoint
 
 PROMPTS = [[(7 * i + 3) % 200 + 1 for i in range(14)], [(5 * i) % 190 + 2 for i in range(23)], [11, 12]]
 
@@ -104,3 +112,124 @@ def dequantized_copy(src: Path, dst: Path, bits_of, group: int) -> Path:
             tensors[name] = dequantize(quantize(t, bits, group)).to(t.dtype)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def write_asymmetric_pair(src: Path, ct_dir: Path, float_dir: Path, bits: int, group: int) -> None:
+    """A compressed-tensors checkpoint of `src` with zero points (symmetric: false) and a float
+    copy of its dequantized weights: the projections `hybrid-engine quantize` quantizes, each
+    coded asymmetrically with random zero points (compressed-tensors' signed codes: each code
+    and zero point less 2^(bits-1), the zero points packed along the output dimension)."""
+    # every projection at `bits` (the lm_head too: one config group), MoE experts left float
+    wanted = [n for n in quantized_names(src, Quantization(f"int{bits}", group)) if ".experts." not in n]
+    names = write_checkpoint(src, ct_dir, dict.fromkeys(wanted, bits), group)
+    source, tensors = load_file(str(src / "model.safetensors")), load_file(str(ct_dir / "model.safetensors"))
+    dequantized = dict(source)
+    middle = 1 << (bits - 1)
+    for seed, key in enumerate(sorted(names)):
+        base = key.removesuffix(".weight")
+        codes, zeros, scales = asymmetric_codes(source[key], bits, group, seed)
+        tensors[f"{base}.weight_packed"] = pack_int32(codes - middle, bits)
+        tensors[f"{base}.weight_scale"] = scales
+        tensors[f"{base}.weight_zero_point"] = pack_int32(zeros - middle, bits, dim=0)
+        dequantized[key] = asymmetric_dequantized(codes, zeros, scales, group).to(source[key].dtype)
+    save_file(tensors, str(ct_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ct_dir / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (ct_dir / "config.json").write_text(json.dumps(config))
+    shutil.copytree(src, float_dir)
+    save_file(dequantized, str(float_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+# What Qwen's FP8 releases store in FP8 (PEERS.md): the projections and every expert's, not
+# lm_head, mtp.fc, GDN's b / a or the router; Qwen3-Next's grouped in_proj_qkvz stays 16-bit in
+# these tests (its FP8 form is not read yet).
+FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+               "up_proj", "down_proj")
+
+
+def _is_fp8(name: str) -> bool:
+    module = name.removesuffix(".weight").rpartition(".")[2]
+    return name.endswith(".weight") and module in FP8_MODULES
+
+
+def write_fp8_pair(src: Path, fp8_dir: Path, float_dir: Path, block: int, scale_dtype: torch.dtype,
+                   language_model_prefix: bool = False) -> set[str]:
+    """An FP8 copy of `src` and a float copy of its dequantized values; -> the FP8 projections'
+    internal names (without `.weight`)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    as_fp8, dequantized, names = {}, {}, set()
+    for name, t in tensors.items():
+        stored = name.replace("model.", "model.language_model.", 1) if language_model_prefix else name
+        if _is_fp8(name):
+            values, scale = to_fp8(t, block, scale_dtype)
+            base = stored.removesuffix(".weight")
+            as_fp8[f"{base}.weight"], as_fp8[f"{base}.weight_scale_inv"] = values, scale
+            rows, cols = t.shape
+            expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+            dequantized[name] = values.float() * expanded
+            names.add(name.removeprefix("model.").removesuffix(".weight"))
+        else:
+            as_fp8[stored] = dequantized[name] = t
+    for folder, out in ((fp8_dir, as_fp8), (float_dir, dequantized)):
+        folder.mkdir()
+        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((src / "config.json").read_text())
+        if folder == fp8_dir:
+            config["quantization_config"] = fp8.quantization_config((block, block), ["lm_head", "mtp.fc"])
+        (folder / "config.json").write_text(json.dumps(config))
+    return names
+
+
+# GPTQ releases quantize the projections, each MoE expert's too; lm_head, the embeddings, GDN's
+# b / a, mtp.fc and the router stay 16-bit
+GPTQ_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+                "up_proj", "down_proj")
+
+
+def _is_gptq(name: str) -> bool:
+    module = name.removesuffix(".weight").rpartition(".")[2]
+    return name.endswith(".weight") and module in GPTQ_MODULES
+
+
+def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group: int, desc_act: bool,
+                    version: str = "gptq", sym: bool = True) -> None:
+    """A GPTQ copy of `src` and a float copy of its dequantized values. With desc_act each input
+    width gets one random column order (projections that read the same input share it, as
+    GPTQ's order comes from that input's statistics). sym=False: random zero points (at least
+    1 for v1, which stores each less one)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    orders: dict[int, torch.Tensor] = {}
+    as_gptq, dequantized = {}, {}
+    middle = 1 << (bits - 1)
+    for name, w in tensors.items():
+        if not _is_gptq(name) or w.shape[1] % group:          # (a width the group does not divide: 16-bit)
+            as_gptq[name] = dequantized[name] = w
+            continue
+        out, cols = w.shape
+        order = orders.setdefault(cols, torch.randperm(cols, generator=torch.Generator().manual_seed(cols))
+                                  if desc_act else torch.arange(cols))
+        if sym:                                                    # groups over the ordered columns
+            qw = quantize(w[:, order], bits, group)
+            codes, scales = qw.values.to(torch.int64) + middle, qw.scales
+            zeros = torch.full(scales.shape, middle)
+        else:
+            codes, zeros, scales = asymmetric_codes(w[:, order], bits, group, seed=len(as_gptq),
+                                                    lowest_zero=1 if version == "gptq" else 0)
+        stored = torch.empty_like(codes).index_copy_(1, order, codes)            # back in stored order
+        g_idx = torch.empty(cols, dtype=torch.int32).index_copy_(
+            0, order, (torch.arange(cols) // group).to(torch.int32))
+        base = name.removesuffix(".weight")
+        as_gptq[f"{base}.qweight"] = pack_fields(stored.t(), bits, dim=0)
+        as_gptq[f"{base}.qzeros"] = pack_fields(zeros.t() - (1 if version == "gptq" else 0), bits, dim=1)
+        as_gptq[f"{base}.scales"] = scales.t().contiguous()
+        as_gptq[f"{base}.g_idx"] = g_idx
+        values = asymmetric_dequantized(codes, zeros, scales, group)
+        dequantized[name] = torch.empty_like(w).index_copy_(1, order, values)
+    for folder, out in ((gptq_dir, as_gptq), (float_dir, dequantized)):
+        folder.mkdir()
+        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((src / "config.json").read_text())
+        if folder == gptq_dir:
+            config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                             "desc_act": desc_act, "sym": sym, "checkpoint_format": version}
+        (folder / "config.json").write_text(json.dumps(config))
