@@ -368,18 +368,30 @@ def test_stored_quantized_folder_at_tp2_gives_tp1_tokens(dense_ckpt, tmp_path, f
         src = tmp_path / "src"
         save_checkpoint(make_hf_model(family, full_attention_interval=2, shared_expert_intermediate_size=64), src)
     path = _stored_quantized(src, tmp_path / "q", fmt)
+    mlp = ("layers.0.mlp.down_proj",) if family == "qwen3_5" else ("layers.0.mlp.experts.1.down_proj",
+                                                                   "layers.0.mlp.shared_expert.down_proj")
+
+    def check(layers, size):
+        if family != "qwen3_5":
+            assert ("layers.0.mlp.experts.2.down_proj" in layers) == (size == 1)       # rank 0: experts 0, 1
+
+    _assert_quantized_tp2_gives_tp1(path, ("layers.0.linear_attn.out_proj", "layers.1.self_attn.o_proj",
+                                           "layers.1.self_attn.qkv_proj", *mlp), check)
+
+
+def _assert_quantized_tp2_gives_tp1(path, quantized: tuple[str, ...], check=None) -> None:
+    """TP=1 and TP=2 on `path` (torch backend, float32): the `quantized` layers load quantized
+    at both sizes (check(layers, size) looks further), and the outputs are the same."""
     prompts = _prompts(n=3, vocab=256)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     runs = []
     for size in (1, 2):
         llm = LLM(model=str(path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
         layers = dict(llm.engine.model.named_modules())
-        mlp = ("layers.0.mlp.down_proj",) if family == "qwen3_5" else ("layers.0.mlp.experts.1.down_proj",
-                                                                       "layers.0.mlp.shared_expert.down_proj")
-        for name in ("layers.0.linear_attn.out_proj", "layers.1.self_attn.o_proj", "layers.1.self_attn.qkv_proj", *mlp):
+        for name in quantized:
             assert isinstance(layers[name].method, QuantizedLinearMethod), name
-        if family != "qwen3_5":
-            assert ("layers.0.mlp.experts.2.down_proj" in layers) == (size == 1)       # rank 0: experts 0, 1
+        if check is not None:
+            check(layers, size)
         runs.append(_generate(llm, prompts, params))
         llm.shutdown()
     _assert_same(*runs)
@@ -404,18 +416,9 @@ def test_gguf_file_at_tp2_gives_tp1_tokens(tmp_path, family, qtype):
     down_proj); experts whole. Value heads of 32: out_proj loads quantized (gguf.py)."""
     save_checkpoint(make_hf_model(family, linear_value_head_dim=32, shared_expert_intermediate_size=64), tmp_path)
     path = write_gguf(tmp_path, tmp_path / "m.gguf", qtype)
-    prompts = _prompts(n=3, vocab=256)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    runs = []
-    for size in (1, 2):
-        llm = LLM(model=str(path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
-        layers = dict(llm.engine.model.named_modules())
-        for name in ("layers.0.linear_attn.out_proj", "layers.3.self_attn.o_proj", "layers.0.mlp.shared_expert.down_proj"
-                     if family == "qwen3_next" else "layers.0.mlp.down_proj"):
-            assert isinstance(layers[name].method, QuantizedLinearMethod), name
-        runs.append(_generate(llm, prompts, params))
-        llm.shutdown()
-    _assert_same(*runs)
+    _assert_quantized_tp2_gives_tp1(path, ("layers.0.linear_attn.out_proj", "layers.3.self_attn.o_proj",
+                                           "layers.0.mlp.shared_expert.down_proj" if family == "qwen3_next"
+                                           else "layers.0.mlp.down_proj"))
 
 
 def test_gguf_blocks_a_split_would_cut_are_refused(tmp_path):
