@@ -14,21 +14,20 @@ from .parallel import SINGLE, TensorParallel, shard_parameter
 
 
 class SwiGLU(nn.Module):
-    """tp: gate and up rows split over the ranks, down_proj's matching columns, its partial
-    outputs summed (models/parallel.py)."""
+    """tp: gate and up rows split over the ranks, down_proj's matching columns; its output is
+    this rank's partial sum (ParallelSwiGLU sums the ranks'; the MoE's shared expert leaves it
+    for the block's one sum)."""
 
     def __init__(self, hidden: int, intermediate: int, method: LinearMethod | None = None,
-                 tp: TensorParallel = SINGLE, partial: bool = False):
-        """partial: the ranks' outputs are left unsummed, for the caller to sum with more (the
-        MoE's shared expert)."""
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         split = tp.by_segments((intermediate,))
         local = split.local_size()
         self.gate_up_proj = Linear(hidden, shards={"gate_proj": local, "up_proj": local}, method=method,
                                    splits={"gate_proj": split, "up_proj": split} if tp.size > 1 else None)
         self.down_proj = Linear(local, hidden, method=method,
-                                splits={None: tp.by_segments((intermediate,), dim=1)} if tp.size > 1 else None,
-                                combine=None if partial else tp.all_reduce)
+                                splits={None: tp.by_segments((intermediate,), dim=1)} if tp.size > 1 else None)
+        self.all_reduce = tp.all_reduce
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         # down(silu(gate) * up): one fused call where the method has one for both layouts,
@@ -38,11 +37,11 @@ class SwiGLU(nn.Module):
 
 
 class ParallelSwiGLU(SwiGLU):
-    """A tensor-parallel rank's SwiGLU: apply_swiglu runs down_proj's product past the layer's
-    own call, so its combine (the all-reduce) follows here."""
+    """A tensor-parallel rank's dense MLP: its output summed across ranks (here, not as
+    down_proj's combine: apply_swiglu runs down_proj's product past the layer's own call)."""
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj.combine(super().forward(x, ops))
+        return self.all_reduce(super().forward(x, ops))
 
 
 class Experts(nn.Module):
@@ -141,7 +140,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(h, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, tp)
-        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size, method, tp, partial=True)
+        self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size, method, tp)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.all_reduce = tp.all_reduce
 
