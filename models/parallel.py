@@ -161,26 +161,24 @@ def _dimensions(cfg: ModelConfig) -> list[tuple[str, int, Callable[[int, int], b
             ("num_key_value_heads", cfg.num_key_value_heads, _divides_or_replicates),
             ("linear_num_key_heads", cfg.linear_num_key_heads, _divides),
             ("linear_num_value_heads", cfg.linear_num_value_heads, _divides)]
+    if any(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)):
+        dims.append(("num_experts", cfg.num_experts, _divides))
+    return dims + [(name, count, _divides) for name, count in _mlp_widths(cfg)]
+
+
+def _mlp_widths(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The intermediate widths split by rows (gate / up) and columns (down): the dense MLP's
+    where a layer has one, the MoE shared expert's where a layer has one (the experts are whole
+    on their rank)."""
     moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
-    if not all(moe):
-        dims.append(("intermediate_size", cfg.intermediate_size, _divides))
-    if any(moe):
-        dims += [("num_experts", cfg.num_experts, _divides),
-                 ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, _divides)]
-    return dims
+    widths = [("intermediate_size", cfg.intermediate_size)] if not all(moe) else []
+    return widths + ([("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)] if any(moe) else [])
 
 
 def _split_columns(cfg: ModelConfig) -> list[tuple[str, int]]:
-    """The input widths of the projections split by their input columns (the experts' are
-    whole on their rank)."""
-    widths = [("num_attention_heads x head_dim", cfg.num_attention_heads * cfg.head_dim),
-              ("linear_num_value_heads x linear_value_head_dim", cfg.value_dim)]
-    moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
-    if not all(moe):
-        widths.append(("intermediate_size", cfg.intermediate_size))
-    if any(moe):
-        widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
-    return widths
+    """The input widths of the projections split by their input columns."""
+    return [("num_attention_heads x head_dim", cfg.num_attention_heads * cfg.head_dim),
+            ("linear_num_value_heads x linear_value_head_dim", cfg.value_dim)] + _mlp_widths(cfg)
 
 
 def _split_rows(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -190,10 +188,4 @@ def _split_rows(cfg: ModelConfig) -> list[tuple[str, int, int]]:
             ("num_key_value_heads x head_dim", cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads),
             ("linear_num_key_heads x linear_key_head_dim", cfg.key_dim, cfg.key_dim),
             ("linear_num_value_heads x linear_value_head_dim", cfg.value_dim, cfg.value_dim)]
-    moe = [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]
-    if not all(moe):
-        rows.append(("intermediate_size", cfg.intermediate_size, cfg.intermediate_size))
-    if any(moe):
-        rows.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
-                     cfg.shared_expert_intermediate_size))
-    return rows
+    return rows + [(name, count, count) for name, count in _mlp_widths(cfg)]
