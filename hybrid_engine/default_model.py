@@ -21,3 +21,9 @@ from pathlib import Path
 def default_model_path() -> Path:
     """The packaged default model folder."""
     return Path(__file__).parent / "assets" / "default_model"
+
+
+def resolve_model(config) -> None:
+    """An engine config's model where it names none: the packaged default model (set in place)."""
+    if config.model is None:
+        config.model = str(default_model_path())

@@ -21,6 +21,7 @@ from hybrid_engine.models.parallel import SINGLE, check_tensor_parallel
 
 from .cache_sizing import DEFAULT_KV_TOKENS_PER_SEQ, build_cache, cache_spec_for
 from .config import EngineConfig
+from .default_model import resolve_model
 from .cuda_graph_steps import CudaGraphSteps, default_buckets, graphs_supported
 from .draft_inputs import DraftInputBuilder
 from .engine_step import EngineStep
@@ -90,11 +91,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         config.validate()
+        resolve_model(config)
         serve_if_worker_rank(config)        # under torchrun, a rank > 0 ends here (tensor_parallel.py)
         self.config = config
-        if config.model is None:
-            from .default_model import default_model_path
-            config.model = str(default_model_path())
         # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
         # Tensor parallelism: the workers start first and load their parts beside the driver's.

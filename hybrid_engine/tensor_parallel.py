@@ -58,6 +58,7 @@ from hybrid_engine.models.parallel import TensorParallel
 from hybrid_engine.request_grammar import DraftMasks
 from hybrid_engine.spec_decode.draft_passes import DraftPasses
 
+from .default_model import resolve_model
 from .draft_inputs import DraftInputs
 from .model_runner import EagerSteps
 from .prompt_logprobs import row_pieces
@@ -189,21 +190,10 @@ def serve_if_worker_rank(config) -> None:
     if launch is None or launch.rank == 0:
         return
     from .engine import check_splits        # (engine.py imports this module)
-    _resolve_default_model(config)
+    resolve_model(config)
     check_splits(config)                    # every rank refuses a size that does not split, as rank 0 does
-    dist.init_process_group("gloo", init_method="env://", rank=launch.rank, world_size=launch.world_size,
-                            timeout=WORKER_IDLE_TIMEOUT)
-    try:
-        _serve_steps(launch.rank, launch.world_size, config)
-    finally:
-        dist.destroy_process_group()
+    _serve_as_worker(launch.rank, launch.world_size, "env://", config)
     raise SystemExit(0)
-
-
-def _resolve_default_model(config) -> None:
-    if config.model is None:
-        from .default_model import default_model_path
-        config.model = str(default_model_path())
 
 
 class TensorParallelGroup:
@@ -278,7 +268,7 @@ class TensorParallelGroup:
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            ended = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(self.workers, 1)
+            ended = [f"rank {rank} ({_ending(w.exitcode)})" for rank, w in enumerate(self.workers, 1)
                      if w.exitcode is not None]
             if ended and thread.is_alive():
                 raise RuntimeError(f"tensor-parallel worker {', '.join(ended)} ended while starting (its error is "
@@ -364,13 +354,17 @@ def _ending(exitcode: int | None) -> str:
 
 
 def _worker_main(rank: int, size: int, port: int, config) -> None:
-    """A worker: its part of the model and of the cache, then every computation the driver
-    sends, until it sends None."""
+    """A spawned worker: its part of the model and of the cache, then every computation the
+    driver sends, until it sends None."""
     # Ctrl-C at a terminal reaches the whole process group: the driver alone handles it, and
     # ends its workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=WORKER_IDLE_TIMEOUT)
+    _serve_as_worker(rank, size, f"tcp://127.0.0.1:{port}", config)
+
+
+def _serve_as_worker(rank: int, size: int, init_method: str, config) -> None:
+    """A worker rank's whole life in the group, however it was started (spawned here, or by torchrun)."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=WORKER_IDLE_TIMEOUT)
     try:
         _serve_steps(rank, size, config)
     except RuntimeError as e:
