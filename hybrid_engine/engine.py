@@ -73,10 +73,12 @@ class StepFailedError(RuntimeError):
         self.request_ids = request_ids
 
 
-def check_splits(config: EngineConfig) -> None:
+def check_splits(config: EngineConfig, gguf_file: GgufFile | None = None) -> None:
     """ValueError where tensor_parallel_size does not split the model (its heads, experts,
-    quantization groups), before any process starts or joins the group."""
-    gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
+    quantization groups), before any process starts or joins the group. gguf_file: the model's,
+    where it is one and open already."""
+    if gguf_file is None and is_gguf(config.model):
+        gguf_file = GgufFile(config.model)
     check_tensor_parallel(gguf_file.config if gguf_file is not None else load_config(config.model),
                           config.tensor_parallel_size, *tensor_parallel_blocks(config, gguf_file))
 
@@ -96,18 +98,19 @@ class LLMEngine:
         self.config = config
         # Without speculation the MTP head is checked but not kept: no weights, no KV pool.
         self.num_speculative_tokens = k = parse_speculative_config(config.speculative_config)
+        gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
         # Tensor parallelism: the workers start first and load their parts beside the driver's.
         self.tp_group = None
         if config.tensor_parallel_size > 1:
-            check_splits(config)
+            check_splits(config, gguf_file)
             self.tp_group = TensorParallelGroup(config, config.tensor_parallel_size)
         try:
-            self._wire(config, k)
+            self._wire(config, k, gguf_file)
         except BaseException:
             self.shutdown()
             raise
 
-    def _wire(self, config: EngineConfig, k: int) -> None:
+    def _wire(self, config: EngineConfig, k: int, gguf_file: GgufFile | None) -> None:
         tp = self.tp_group.parallel if self.tp_group is not None else SINGLE
         # The kernel backend (kernels/backends.py), chosen once: every step's ForwardBatch carries
         # it, and its linear method gives the projections their weight layouts as they load.
@@ -115,7 +118,6 @@ class LLMEngine:
         method = self.kernels.linear_method(compiled=config.enable_torch_compile,
                                             few_rows_copy=config.bf16_few_rows_copy)
         # Online quantization: a method per projection layer instead (None: float weights).
-        gguf_file = GgufFile(config.model) if is_gguf(config.model) else None
         quantized = quantized_layers(config, method, self.kernels, gguf_file)
         self.model, self.model_config = load_model(
             config.model, config.dtype, config.device, with_mtp=k > 0, method=method, methods=quantized,
