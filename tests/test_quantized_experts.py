@@ -9,12 +9,11 @@ an expert's scales missing or of the wrong shape is one error naming the tensor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from hybrid_engine import EngineConfig, LLMEngine
@@ -23,7 +22,7 @@ from hybrid_engine.checkpoint_formats.int32_fields import pack_fields
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
 from hybrid_engine.models.config import CheckpointError
 
-from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, to_fp8
+from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, save_pair, to_fp8
 from spec_models import make_spec_checkpoint
 
 GROUP = 32
@@ -81,13 +80,7 @@ def write_expert_pair(src: Path, quantized_dir: Path, float_dir: Path, fmt: str)
             as_float[name] = held
         else:
             as_quantized[name] = as_float[name] = w
-    for folder, tensors in ((quantized_dir, as_quantized), (float_dir, as_float)):
-        folder.mkdir()
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((src / "config.json").read_text())
-        if folder == quantized_dir:
-            config["quantization_config"] = FORMATS[fmt][2]
-        (folder / "config.json").write_text(json.dumps(config))
+    save_pair(src, (quantized_dir, as_quantized, FORMATS[fmt][2]), (float_dir, as_float))
 
 
 @pytest.fixture(scope="module", params=("qwen3_5_moe", "qwen3_next"))

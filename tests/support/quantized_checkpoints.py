@@ -147,6 +147,16 @@ FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z
                "up_proj", "down_proj")
 
 
+def save_pair(src: Path, quantized: tuple[Path, dict, dict], floats: tuple[Path, dict]) -> None:
+    """A stored-quantized copy of `src` and its float twin: quantized = (folder, tensors, its
+    quantization_config), floats = (folder, tensors); both with `src`'s config.json."""
+    config = json.loads((src / "config.json").read_text())
+    for folder, tensors, extra in ((*quantized[:2], {"quantization_config": quantized[2]}), (*floats, {})):
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+
+
 def _is_fp8(name: str) -> bool:
     module = name.removesuffix(".weight").rpartition(".")[2]
     return name.endswith(".weight") and module in FP8_MODULES
@@ -170,13 +180,8 @@ def write_fp8_pair(src: Path, fp8_dir: Path, float_dir: Path, block: int, scale_
             names.add(name.removeprefix("model.").removesuffix(".weight"))
         else:
             as_fp8[stored] = dequantized[name] = t
-    for folder, out in ((fp8_dir, as_fp8), (float_dir, dequantized)):
-        folder.mkdir()
-        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((src / "config.json").read_text())
-        if folder == fp8_dir:
-            config["quantization_config"] = fp8.quantization_config((block, block), ["lm_head", "mtp.fc"])
-        (folder / "config.json").write_text(json.dumps(config))
+    save_pair(src, (fp8_dir, as_fp8, fp8.quantization_config((block, block), ["lm_head", "mtp.fc"])),
+              (float_dir, dequantized))
     return names
 
 
@@ -225,11 +230,6 @@ def write_gptq_pair(src: Path, gptq_dir: Path, float_dir: Path, bits: int, group
         as_gptq[f"{base}.g_idx"] = g_idx
         values = asymmetric_dequantized(codes, zeros, scales, group)
         dequantized[name] = torch.empty_like(w).index_copy_(1, order, values)
-    for folder, out in ((gptq_dir, as_gptq), (float_dir, dequantized)):
-        folder.mkdir()
-        save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((src / "config.json").read_text())
-        if folder == gptq_dir:
-            config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                                             "desc_act": desc_act, "sym": sym, "checkpoint_format": version}
-        (folder / "config.json").write_text(json.dumps(config))
+    save_pair(src, (gptq_dir, as_gptq, {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                        "desc_act": desc_act, "sym": sym, "checkpoint_format": version}),
+              (float_dir, dequantized))
