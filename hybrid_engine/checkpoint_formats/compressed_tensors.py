@@ -36,7 +36,7 @@ from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
 from hybrid_engine.models.config import CheckpointError
 
 from .int32_fields import pack_fields, unpack_fields
-from .rank_parts import Along, cut, full_shape
+from .rank_parts import Along, StoredParts
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
@@ -44,7 +44,7 @@ SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 
 
 @dataclass(frozen=True)
-class PackQuantized:
+class PackQuantized(StoredParts):
     """One config group's weights: the QuantizedCheckpoint of kernels/linear/quantized.py."""
     bits: int
     group_size: int
@@ -86,21 +86,17 @@ class PackQuantized:
         return (1 if self.symmetric else 32 // self.bits), self.group_size
 
     def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
-        suffix = name.rpartition(".")[2]
-        if suffix == "weight_shape":                  # the rank's [out, in], as `read` checks it
+        if name.endswith(".weight_shape"):            # the rank's [out, in], as `read` checks it
             local = tensor.reshape(-1).clone()
             local[split.dim] = split.local_size()
             return local
-        return cut(tensor, split, self._along(suffix)[split.dim], name)
-
-    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
-        suffix = name.rpartition(".")[2]
-        return tuple(shape) if suffix == "weight_shape" else full_shape(shape, split, self._along(suffix)[split.dim])
+        return super().rank_part(name, tensor, split)
 
     def _along(self, suffix: str) -> tuple[Along, Along]:
         words, groups = 32 // self.bits, Along(1, self.group_size)
         return {"weight_packed": (Along(0, 1), Along(1, words)), "weight_scale": (Along(0, 1), groups),
-                "weight_zero_point": (Along(0, words), groups)}[suffix]
+                "weight_zero_point": (Along(0, words), groups),
+                "weight_shape": (None, None)}[suffix]           # its stored shape, whole on every rank
 
 
 def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:

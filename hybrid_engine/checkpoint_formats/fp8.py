@@ -30,14 +30,14 @@ import torch
 from hybrid_engine.kernels.linear.quantized import QuantizedWeight, quantize
 from hybrid_engine.models.config import CheckpointError
 
-from .rank_parts import Along, cut, full_shape
+from .rank_parts import Along, StoredParts
 
 QUANT_METHOD = "fp8"
 REQUANTIZED_BITS, REQUANTIZED_GROUP = 8, 32
 
 
 @dataclass(frozen=True)
-class Fp8Blocks:
+class Fp8Blocks(StoredParts):
     """The QuantizedCheckpoint of kernels/linear/quantized.py for FP8 block-scaled weights."""
     block_rows: int
     block_cols: int
@@ -67,12 +67,6 @@ class Fp8Blocks:
     def split_blocks(self) -> tuple[int, int]:
         """The weight's rows and input columns a rank's part must hold whole: the scale blocks."""
         return self.block_rows, self.block_cols
-
-    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
-        return cut(tensor, split, self._along(name.rpartition(".")[2])[split.dim], name)
-
-    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
-        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
 
     def _along(self, suffix: str) -> tuple[Along, Along]:
         if suffix == "weight":

@@ -41,7 +41,7 @@ from hybrid_engine.models.loader import WeightStream, split_ba
 from .gguf_config import model_config
 from .gguf_layout import VHeadOrder, stored_in, to_engine
 from .gguf_tokenizer import gguf_tokenizer
-from .rank_parts import Along, cut, full_shape
+from .rank_parts import Along, StoredParts
 
 log = logging.getLogger("hybrid_engine")
 
@@ -65,7 +65,7 @@ def is_gguf(path) -> bool:
 
 
 @dataclass(frozen=True)
-class GgufBlocks:
+class GgufBlocks(StoredParts):
     """The QuantizedCheckpoint (kernels/linear/quantized.py) of a projection layer loaded from a
     GGUF file: the reader hands each projection's values and scales already unpacked."""
     bits: int
@@ -76,12 +76,6 @@ class GgufBlocks:
 
     def read(self, name: str, tensors: dict[str, torch.Tensor], rows: int, in_features: int) -> QuantizedWeight:
         return QuantizedWeight(tensors["weight_values"], tensors["weight_scales"], self.bits, GROUP)
-
-    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
-        return cut(tensor, split, self._along(name.rpartition(".")[2])[split.dim], name)
-
-    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
-        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
 
     def _along(self, suffix: str) -> tuple[Along, Along]:
         return Along(0, 1), Along(1, 1 if suffix == "weight_values" else GROUP)

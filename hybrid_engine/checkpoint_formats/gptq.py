@@ -28,13 +28,13 @@ from hybrid_engine.kernels.linear.quantized import QuantizedWeight, check_scheme
 from hybrid_engine.models.config import CheckpointError
 
 from .int32_fields import unpack_fields
-from .rank_parts import Along, cut, full_shape
+from .rank_parts import Along, StoredParts
 
 QUANT_METHOD = "gptq"
 
 
 @dataclass(frozen=True)
-class Gptq:
+class Gptq(StoredParts):
     """The QuantizedCheckpoint of kernels/linear/quantized.py for GPTQ."""
     bits: int
     group_size: int
@@ -85,9 +85,8 @@ class Gptq:
         return 32 // self.bits, self.group_size
 
     def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
-        suffix = name.rpartition(".")[2]
-        part = cut(tensor, split, self._along(suffix)[split.dim], name)
-        if suffix == "g_idx" and split.dim == 1:
+        part = super().rank_part(name, tensor, split)
+        if name.endswith(".g_idx") and split.dim == 1:
             # With act-order a group's columns are scattered over the input, so a rank's input
             # columns would hold pieces of many groups, none whole: the kernels need whole ones.
             if not torch.equal(tensor.to(torch.int64), torch.arange(tensor.numel()) // self.group_size):
@@ -95,9 +94,6 @@ class Gptq:
                                       "tensor_parallel_size > 1 does not split yet")
             part = part - part[0]                  # the rank's groups from 0
         return part
-
-    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
-        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
 
     def _along(self, suffix: str) -> tuple[Along | None, Along]:
         words, groups = 32 // self.bits, Along(0, self.group_size)

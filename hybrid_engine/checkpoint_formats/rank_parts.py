@@ -37,3 +37,17 @@ def full_shape(shape: tuple[int, ...], split, along: Along | None) -> tuple[int,
     if along is None:
         return tuple(shape)
     return replace(split, dim=along.dim).per_entry(along.per_entry).full_shape(shape)
+
+
+class StoredParts:
+    """A format's `rank_part` and `full_shape` (kernels/linear/quantized.py QuantizedCheckpoint)
+    from its `_along(suffix)`: the Along of each of the weight's dims for a stored tensor."""
+
+    def _along(self, suffix: str) -> tuple[Along | None, Along | None]:
+        raise NotImplementedError
+
+    def rank_part(self, name: str, tensor: torch.Tensor, split) -> torch.Tensor:
+        return cut(tensor, split, self._along(name.rpartition(".")[2])[split.dim], name)
+
+    def full_shape(self, name: str, shape: tuple[int, ...], split) -> tuple[int, ...]:
+        return full_shape(shape, split, self._along(name.rpartition(".")[2])[split.dim])
