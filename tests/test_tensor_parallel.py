@@ -108,6 +108,22 @@ def _generate(llm: LLM, prompts, params):
             for o in outs]
 
 
+def _greedy_at(sizes, check=None, prompts=None, max_tokens: int = 6, **llm_args) -> list:
+    """_generate's outputs (greedy, 2 logprobs) of LLM(dtype="float32", **llm_args) at each
+    tensor_parallel_size of `sizes`; check(llm, size) looks at each engine first. prompts:
+    three of the tiny vocabulary's by default."""
+    prompts = _prompts(n=3, vocab=256) if prompts is None else prompts
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    runs = []
+    for size in sizes:
+        llm = LLM(dtype="float32", tensor_parallel_size=size, **llm_args)
+        if check is not None:
+            check(llm, size)
+        runs.append(_generate(llm, prompts, params))
+        llm.shutdown()
+    return runs
+
+
 def _assert_same(tp1, tp2, tolerance=1e-4):
     for a, b in zip(tp1, tp2, strict=True):
         for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
@@ -203,17 +219,12 @@ def test_tp2_with_preemption(dense_ckpt, mtp_ckpt, spec):
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_tp4_with_replicated_kv_heads_and_padded_tied_vocabulary(four_way_ckpt, backend):
-    prompts = _prompts(n=3)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    runs = []
-    for size in (1, 4):
-        llm = LLM(model=str(four_way_ckpt), dtype="float32", kernel_backend=backend, tensor_parallel_size=size)
-        runs.append(_generate(llm, prompts, params))
+    def check(llm, size):
         if size == 4:
             spec = llm.engine.cache.spec
             assert (spec.num_kv_heads, spec.num_v_heads) == (1, 1)        # 2 KV heads over 4 ranks
-        llm.shutdown()
-    _assert_same(*runs)
+
+    _assert_same(*_greedy_at((1, 4), check, _prompts(n=3), model=str(four_way_ckpt), kernel_backend=backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
@@ -228,29 +239,14 @@ def test_moe_families_at_tp2_give_tp1_tokens(tmp_path, family, spec, backend):
         save_checkpoint(make_hf_model(family, full_attention_interval=2), tmp_path)
     else:
         make_spec_checkpoint(tmp_path, family, embed_scale=1.6, full_attention_interval=2)
-    prompts = _prompts(n=3, vocab=256)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    runs = []
-    for size in (1, 2):
-        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend=backend, speculative_config=spec,
-                  tensor_parallel_size=size)
-        runs.append(_generate(llm, prompts, params))
-        llm.shutdown()
-    _assert_same(*runs)
+    _assert_same(*_greedy_at((1, 2), model=str(tmp_path), kernel_backend=backend, speculative_config=spec))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 def test_moe_families_at_tp4_give_tp1_tokens(tmp_path, family):
     """4 GDN key heads over 4 ranks, KV heads replicated over pairs, one whole expert per rank."""
     save_checkpoint(make_hf_model(family, full_attention_interval=2, linear_num_key_heads=4), tmp_path)
-    prompts = _prompts(n=3, vocab=256)
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
-    runs = []
-    for size in (1, 4):
-        llm = LLM(model=str(tmp_path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
-        runs.append(_generate(llm, prompts, params))
-        llm.shutdown()
-    _assert_same(*runs)
+    _assert_same(*_greedy_at((1, 4), max_tokens=5, model=str(tmp_path), kernel_backend="torch"))
 
 
 def _weight_bytes(model, part: str = "") -> int:
@@ -320,14 +316,8 @@ def test_quantized_tp2_gives_tp1_tokens(dense_ckpt, moe_ckpt, model, quantizatio
     random tiny model by up to a few hundredths (so does a 1e-7 relative change to o_proj's
     output at TP=1); the torch backend's float activations keep them within 1e-4."""
     folder = {"dense": dense_ckpt, "moe": moe_ckpt}[model]
-    prompts = _prompts(n=3, vocab=256)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    runs = []
-    for size in (1, 2):
-        llm = LLM(model=str(folder), dtype="float32", kernel_backend=backend, quantization=quantization,
-                  speculative_config=MTP if model == "moe" else None, tensor_parallel_size=size)
-        runs.append(_generate(llm, prompts, params))
-        llm.shutdown()
+    runs = _greedy_at((1, 2), model=str(folder), kernel_backend=backend, quantization=quantization,
+                      speculative_config=MTP if model == "moe" else None)
     _assert_same(*runs, tolerance=1e-4 if backend == "torch" else 0.1)
 
 
@@ -382,19 +372,14 @@ def test_stored_quantized_folder_at_tp2_gives_tp1_tokens(dense_ckpt, tmp_path, f
 def _assert_quantized_tp2_gives_tp1(path, quantized: tuple[str, ...], check=None) -> None:
     """TP=1 and TP=2 on `path` (torch backend, float32): the `quantized` layers load quantized
     at both sizes (check(layers, size) looks further), and the outputs are the same."""
-    prompts = _prompts(n=3, vocab=256)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    runs = []
-    for size in (1, 2):
-        llm = LLM(model=str(path), dtype="float32", kernel_backend="torch", tensor_parallel_size=size)
+    def check_layers(llm, size):
         layers = dict(llm.engine.model.named_modules())
         for name in quantized:
             assert isinstance(layers[name].method, QuantizedLinearMethod), name
         if check is not None:
             check(layers, size)
-        runs.append(_generate(llm, prompts, params))
-        llm.shutdown()
-    _assert_same(*runs)
+
+    _assert_same(*_greedy_at((1, 2), check_layers, model=str(path), kernel_backend="torch"))
 
 
 @pytest.mark.parametrize("fmt, message", [
