@@ -2,11 +2,13 @@
 checkpoint are quantized at load, and with which linear method.
 
 Quantized: every projection layer (models/linear.py `Linear`): GDN's in_proj_qkv / in_proj_z and
-out_proj, attention's q/k/v/o, the MLPs, the MTP layer's attention and MLP, and the lm_head (a
-tied embedding then reads its rows from the quantized table; under int4 the lm_head takes int8,
-as llama.cpp's Q4_0 and Q4_K_M files keep their output table at Q6_K: its error reaches every
-token's distribution directly, and at int4 it cost the default model about half of int4's
-perplexity loss, benchmarks/RESULTS.md, issue 39). Kept float, as every quantized
+out_proj, attention's q/k/v/o, the MLPs, the MTP layer's attention and MLP, and the lm_head. A
+tied embedding then reads its rows from the quantized table, at int8 at least: under int4 the
+lm_head's method keeps the table twice, int4 for the product (read whole at every step) and
+int8 for the lookups (one row a token). The lookup's error reaches every token's input: on the
+default model an int4 lookup cost about a third of int4's perplexity loss, the int4 product
+a tenth (benchmarks/RESULTS.md, issue 39); llama.cpp's Q4_0 and Q4_K_M files keep their tied
+table at Q6_K for both. Kept float, as every quantized
 format and peer keeps them: GDN's in_proj_b / in_proj_a (they feed the decay and the beta
 sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_expert_gate
 (plain nn.Linear), the conv taps, A_log, dt_bias and the norms. MoE experts are quantized each
@@ -42,7 +44,7 @@ METHODS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = 32                    # llama.cpp's Q8_0 / Q4_0 block
 GDN_FLOAT_SHARDS = ("in_proj_b", "in_proj_a")
 FLOAT_LAYERS = ("mtp.fc",)
-LM_HEAD_MIN_BITS = 8
+LOOKUP_MIN_BITS = 8                         # a tied lm_head's rows for the embedding's lookups
 
 log = logging.getLogger("hybrid_engine")
 
@@ -55,10 +57,6 @@ class Quantization:
     @property
     def bits(self) -> int:
         return METHODS[self.method]
-
-    def bits_of(self, name: str) -> int:
-        """The bits of the projection layer `name` (the lm_head at 8 at least: the module docstring)."""
-        return max(self.bits, LM_HEAD_MIN_BITS) if name == "lm_head" else self.bits
 
 
 def parse_quantization(method: str | None, group_size: int | None = None) -> Quantization | None:
@@ -102,9 +100,10 @@ class QuantizedLayers:
             return self.float_method
         shards = tuple(layer.shards or ())
         float_shards = tuple(s for s in GDN_FLOAT_SHARDS if s in shards)
-        return QuantizedLinearMethod(self.scheme.bits_of(name), self.scheme.group_size, native=self.native,
+        return QuantizedLinearMethod(self.scheme.bits, self.scheme.group_size, native=self.native,
                                      float_shards=float_shards, int8_activations=self.int8_activations,
-                                     float_method=self.float_method)
+                                     float_method=self.float_method,
+                                     rows_bits=max(self.scheme.bits, LOOKUP_MIN_BITS) if name == "lm_head" else None)
 
     def _experts(self, name: str, experts) -> LinearMethod | None:
         """Each expert's gate_up and down projections quantized like the others (None: float)."""

@@ -72,7 +72,7 @@ def quantized_names(folder: str | Path, scheme: Quantization) -> set[str]:
 def write_quantized(src: str | Path, dst: str | Path, scheme: Quantization, progress=None) -> list[str]:
     """Writes the quantized copy; -> the checkpoint names of the tensors it quantized.
     progress: wraps the list of tensor names (a progress bar)."""
-    bits = {name: scheme.bits_of(name.removesuffix(".weight")) for name in quantized_names(src, scheme)}
+    bits = dict.fromkeys(quantized_names(src, scheme), scheme.bits)
     return write_checkpoint(src, dst, bits, scheme.group_size, progress)
 
 

@@ -119,10 +119,13 @@ class HybridForCausalLM(nn.Module):
         of it under tensor parallelism) and processes it, and where lm_head's method then holds
         the values in a layout of its own the plain table is freed at once (the embedding reads
         its rows from lm_head): loading never holds a quantized model beside the float table,
-        the largest tensor of a small model."""
+        the largest tensor of a small model. (Under tensor parallelism each rank's embedding keeps
+        its own part of the table.) `serves_rows` tells lm_head's method that the embedding will
+        read rows from it, which it may then hold apart from the product's (rows_bits)."""
+        self.lm_head.serves_rows = not self.lm_head.splits
         self.lm_head.weight_loader("lm_head.weight", table)
         self.lm_head.process_weights_after_loading()
-        if self.lm_head.method.holds_weight_elsewhere(self.lm_head) and not self.lm_head.splits:
+        if self.lm_head.serves_rows and self.lm_head.method.holds_weight_elsewhere(self.lm_head):
             table = self.embed_tokens.weight
             self.embed_tokens.weight = nn.Parameter(torch.empty(table.shape, dtype=table.dtype, device="meta"),
                                                     requires_grad=False)

@@ -83,8 +83,9 @@ def test_quantized_file_runs_as_online_quantization_on_the_default_backend(ckpt,
     Q8_0 rule; int4: its search finds the Q4_0 scale, whose error there is 0), so the native kernels
     (x rounded to int8) give the same bits. MoE experts too: the file's are read dequantized and
     quantized per expert at the file's bits, as online quantization does. (The file's output
-    table is Q4_0 too: online int4's int8 lm_head is set to int4 here.)"""
-    monkeypatch.setattr(quantization, "LM_HEAD_MIN_BITS", 4)
+    table is Q4_0 too, lookups included: online int4's int8 rows for a tied table's lookups are
+    set to int4 here.)"""
+    monkeypatch.setattr(quantization, "LOOKUP_MIN_BITS", 4)
     path = write_gguf(ckpt, tmp_path / "q.gguf", qtype)
     reference = write_gguf(ckpt, tmp_path / "deq.gguf", qtype, dequantized=True)
     assert greedy_runs(_engine(path, "auto")) == greedy_runs(_engine(reference, "auto", quantization=method))
@@ -132,10 +133,9 @@ def wide_ckpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("qtype,method", [("Q4_K", "int4"), ("Q6_K", "int8")])
-def test_k_quants_are_requantized_as_online_quantization_would(wide_ckpt, tmp_path, monkeypatch, qtype, method):
+def test_k_quants_are_requantized_as_online_quantization_would(wide_ckpt, tmp_path, qtype, method):
     engine = _engine(write_gguf(wide_ckpt, tmp_path / "k.gguf", qtype))
     assert engine.model.lm_head.method.bits == (4 if method == "int4" else 8)
-    monkeypatch.setattr(quantization, "LM_HEAD_MIN_BITS", 4)       # as the file: its output table is Q4_K
     online = _engine(write_gguf(wide_ckpt, tmp_path / "d.gguf", qtype, dequantized=True), quantization=method)
     assert greedy_runs(engine) == greedy_runs(online)
 

@@ -24,7 +24,7 @@ from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod
 from hybrid_engine.models.config import CheckpointError
 from hybrid_engine import quantization
 from hybrid_engine.models.linear import Linear
-from hybrid_engine.quantization import Quantization
+from hybrid_engine.quantization import METHODS, Quantization
 from hybrid_engine.quantize_checkpoint import write_quantized
 
 from quantized_checkpoints import broken_copy, greedy_runs, mtp_engine, write_asymmetric_pair
@@ -58,8 +58,8 @@ def test_written_checkpoint_runs_as_online_quantization(ckpt, tmp_path, monkeypa
         for name in ("layers.0.mlp.experts.3.down_proj", "mtp.layers.0.mlp.experts.3.gate_up_proj"):
             assert isinstance(getattr(layers.get(name), "method", None), QuantizedLinearMethod) == (group == 32)
         assert not isinstance(layers["layers.0.mlp.gate"], Linear)           # the router: plain float
-    # the lm_head at int8 under int4 too, in a config group of its own
-    assert layers["lm_head"].method.bits == 8
+    # the (untied) lm_head at the scheme's bits, as online quantization holds it
+    assert layers["lm_head"].method.bits == METHODS[method]
     online = mtp_engine(ckpt, backend, quantization=method, quantization_group_size=group)
     assert greedy_runs(stored) == greedy_runs(online)
 

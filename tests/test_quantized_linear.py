@@ -319,3 +319,21 @@ def test_method_rows_are_the_dequantized_rows(dtype):
     assert rows.dtype == dtype
     assert torch.equal(rows, dequantize(quantize(w.to(dtype), 4, 32))[ids].to(dtype))
     assert layer.method.holds_weight_elsewhere(layer)
+
+
+@pytest.mark.parametrize("serves_rows", [True, False])
+def test_rows_come_from_a_table_of_their_own_bits_where_the_layer_serves_lookups(serves_rows):
+    """rows_bits: a layer that serves an embedding's lookups (a tied lm_head) keeps them at those
+    bits beside its product's table; one that does not keeps no second table."""
+    w = torch.randn(40, 64)
+    with torch.device("meta"):
+        layer = Linear(64, 40, method=QuantizedLinearMethod(4, 32, rows_bits=8))
+    layer.serves_rows = serves_rows
+    layer.weight_loader("p.weight", w)
+    layer.process_weights_after_loading()
+    ids = torch.tensor([0, 39, 7])
+    x = torch.randn(3, 64)
+    q, scales = pack(quantize(w, 4, 32))
+    assert torch.equal(layer(x), quant_linear_reference(x, q, scales, 4, 32)[:, :40])   # the product: int4
+    assert (layer.row_table is not None) == serves_rows
+    assert torch.equal(layer.rows(ids), dequantize(quantize(w, 8 if serves_rows else 4, 32))[ids])

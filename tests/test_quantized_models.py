@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 from hybrid_engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from hybrid_engine.kernels.backends import native_cpu_available
 from hybrid_engine.kernels.linear.quantized import QuantizedLinearMethod, dequantize, quantize
-from hybrid_engine.quantization import LM_HEAD_MIN_BITS
 
 from engine_checks import run_alone_then_together
 from quantized_checkpoints import dequantized_copy
@@ -39,11 +38,9 @@ def _quantized_by_online_quantization(name: str) -> bool:
 
 def dequantized_checkpoint(src: Path, dst: Path, bits: int, group: int) -> Path:
     """A copy of the float checkpoint `src` whose tensors online quantization quantizes hold their
-    dequantized values (the lm_head at 8 bits under int4: hybrid_engine/quantization.py)."""
+    dequantized values (the lm_head's too: untied, it runs at the scheme's bits)."""
     def bits_of(name: str) -> int | None:
-        if not _quantized_by_online_quantization(name):
-            return None
-        return max(bits, LM_HEAD_MIN_BITS) if name == "lm_head.weight" else bits
+        return bits if _quantized_by_online_quantization(name) else None
     return dequantized_copy(src, dst, bits_of, group)
 
 
@@ -75,7 +72,8 @@ def test_quantized_model_runs_its_dequantized_weights(ckpt, tmp_path, method, bi
     assert isinstance(layers["layers.0.linear_attn.in_proj"].method, QuantizedLinearMethod)
     assert layers["layers.0.linear_attn.in_proj"].float_tail is not None       # b, a stay float
     assert not isinstance(layers["mtp.fc"].method, QuantizedLinearMethod)
-    assert isinstance(layers["lm_head"].method, QuantizedLinearMethod) and layers["lm_head"].method.bits == 8
+    assert isinstance(layers["lm_head"].method, QuantizedLinearMethod) and layers["lm_head"].method.bits == bits
+    assert layers["lm_head"].row_table is None                        # untied: no lookups to serve
     assert isinstance(layers["mtp.layers.0.self_attn.qkv_proj"].method, QuantizedLinearMethod)
     if "layers.0.mlp.experts" in layers:
         experts = layers["layers.0.mlp.experts"]
@@ -174,10 +172,12 @@ def test_int8_activations_cost_little_on_the_default_model():
         assert _distance(r, n)[1] < 0.1
 
 
-def test_tied_embedding_reads_the_quantized_table(tmp_path):
-    """The default model ties its embedding to lm_head: the quantized engine frees the float table
-    and embeds from lm_head's dequantized rows, which a float run of the dequantized checkpoint
-    (its one table dequantized) reproduces token for token."""
+def test_tied_embedding_reads_its_own_int8_rows(tmp_path):
+    """The default model ties its embedding to lm_head: under int4 the quantized engine frees the
+    float table, runs lm_head's product on int4 and embeds from int8 rows of the same table
+    (hybrid_engine/quantization.py), which a float run of the checkpoint untied, its lm_head
+    the int4-dequantized table and its embedding the int8-dequantized one, reproduces token
+    for token."""
     from hybrid_engine.default_model import default_model_path
     src = Path(default_model_path())
     tensors = load_file(str(src / "model.safetensors"))
@@ -185,16 +185,27 @@ def test_tied_embedding_reads_the_quantized_table(tmp_path):
     dst = tmp_path / "dq"
     dst.mkdir()
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
+        if f.is_file() and f.suffix not in (".safetensors", ".json"):
             (dst / f.name).write_bytes(f.read_bytes())
+    for f in src.glob("*.json"):
+        (dst / f.name).write_text(f.read_text().replace('"tie_word_embeddings": true', '"tie_word_embeddings": false'))
+    assert '"tie_word_embeddings": false' in (dst / "config.json").read_text()
+    (embed_name,) = [name for name in tensors if name.endswith("embed_tokens.weight")]
+    table = tensors[embed_name]
     for name, t in tensors.items():
-        if _quantized_by_online_quantization(name) or name.endswith("embed_tokens.weight"):
+        if _quantized_by_online_quantization(name):
             tensors[name] = dequantize(quantize(t, 4, 32)).to(t.dtype)
+    tensors[embed_name] = dequantize(quantize(table, 8, 32)).to(table.dtype)
+    tensors["lm_head.weight"] = dequantize(quantize(table, 4, 32)).to(table.dtype)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     quantized = LLM(dtype="float32", quantization="int4", kernel_backend="torch")
+    lm_head = quantized.engine.model.lm_head
     assert quantized.engine.model.embed_tokens.weight.is_meta
-    want = LLM(model=str(dst), dtype="float32", kernel_backend="torch").generate(["def read_config(path):"], params)
+    assert lm_head.method.bits == 4 and lm_head.row_table is not None
+    untied = LLM(model=str(dst), dtype="float32", kernel_backend="torch")
+    assert not untied.engine.model.embed_tokens.weight.is_meta
+    want = untied.generate(["def read_config(path):"], params)
     got = quantized.generate(["def read_config(path):"], params)
     assert got[0].token_ids == want[0].token_ids
 

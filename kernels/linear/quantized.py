@@ -315,8 +315,16 @@ class QuantizedLinearMethod(LinearMethod):
 
     def __init__(self, bits: int, group_size: int, native: bool = False, float_shards: tuple[str, ...] = (),
                  int8_activations: bool | None = None, checkpoint: QuantizedCheckpoint | None = None,
-                 float_method: LinearMethod | None = None):
+                 float_method: LinearMethod | None = None, rows_bits: int | None = None):
         check_scheme(bits, group_size)
+        # rows_bits: where a layer that serves an embedding's lookups (`serves_rows`, a tied
+        # lm_head) is quantized from float, the rows are read from a table of its own at these
+        # bits (None: from the product's table). The lookup's error reaches every token's
+        # input, the product's only its logits: lm_head's bytes, read at every step, can go
+        # lower than the lookup's, read one row a token.
+        if rows_bits is not None:
+            check_scheme(rows_bits, group_size)
+        self.rows_bits = rows_bits
         # float_method: the float shards' method (the backend's own: the cpu one's blocked product
         # gives a row the same bits in any batch, as MTP's lossless verify needs; a plain product
         # goes through MKL, whose order of sums changes with the row count)
@@ -412,8 +420,12 @@ class QuantizedLinearMethod(LinearMethod):
         float_rows = self._float_rows(layer)
         quantized_rows = weight.shape[0] - float_rows
         q, scales = quantize_packed(weight[:quantized_rows], self.bits, self.group_size)
+        row_table = None
+        if getattr(layer, "serves_rows", False) and self.rows_bits not in (None, self.bits) and not float_rows:
+            row_table = quantize_packed(weight, self.rows_bits, self.group_size)
         self._hold(layer, q, scales, None, quantized_rows, None, weight[quantized_rows:] if float_rows else None,
                    weight.dtype)
+        layer.row_table = row_table
 
     def load_quantized(self, layer: nn.Module, qw: QuantizedWeight, float_tail: torch.Tensor | None,
                        dtype: torch.dtype) -> None:
@@ -433,6 +445,7 @@ class QuantizedLinearMethod(LinearMethod):
               dtype: torch.dtype) -> None:
         layer.quantized_rows = rows
         layer.qweight, layer.qscales, layer.qzeros = q, scales, zeros
+        layer.row_table = None          # (q, scales) at rows_bits, where process_weights_after_loading keeps one
         layer.input_order = input_order
         layer.float_tail = None if float_tail is None else float_tail.detach().to(dtype).clone()
         layer.tail_product = None if float_tail is None else self._tail_product(layer.float_tail)
@@ -481,6 +494,9 @@ class QuantizedLinearMethod(LinearMethod):
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.float_tail is not None:
             raise NotImplementedError("rows of a layer with float shards")
+        if getattr(layer, "row_table", None) is not None:
+            q, scales = layer.row_table
+            return unpack(q, scales, self.rows_bits, self.group_size, rows=ids).to(layer.weight_dtype)
         rows = unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids, zeros=layer.qzeros)
         if layer.input_order is not None:
             rows = torch.empty_like(rows).index_copy_(-1, layer.input_order, rows)
