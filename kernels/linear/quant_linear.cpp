@@ -109,6 +109,16 @@ constexpr int QMR = simd::W == 16 ? 4 : 2;
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
 constexpr int PREFETCH_BYTES = 1024;    // ahead in each block's stream of q
 
+// What to prefetch at `offset` bytes into a block's stream `p` of a tile of NR blocks, qstride
+// bytes each: PREFETCH_BYTES ahead, or past the stream's end as far into the same block of the
+// next group of NR blocks (under the static schedule the thread's next tile), whose streams
+// would otherwise start cold: at 1,024 input columns a stream is only 16 KB (int8) or 8 KB
+// (int4), so each tile would start on a few cold lines (benchmarks/RESULTS.md, issue 39).
+template <int NR>
+inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) {
+  return (const char*)p + PREFETCH_BYTES + (offset + PREFETCH_BYTES >= qstride ? (NR - 1) * qstride : 0);
+}
+
 inline size_t block_bytes(int K, int bits) { return (size_t)K * 16 * bits / 8; }
 
 // x quantized: per row, K int8 values (qx), and per block of QK its scale (sx) and the sum of
@@ -176,7 +186,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
         for (int j = 0; j < NR; j++) {
           const uint8_t* p = q + j * qstride + ((size_t)b * QK / 4 + s) * 64;
           for (int v = 0; v < VB; v++) w[j * VB + v] = simd::load_bits(p + v * LANE_BYTES);
-          _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T0);
+          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 4 + s) * 64, qstride), _MM_HINT_T0);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four;
@@ -207,7 +217,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
             lo[j * VB + v] = and_i(packed, low4);
             hi[j * VB + v] = and_i(srli16(packed, 4), low4);
           }
-          _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T0);
+          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 8 + s) * 64, qstride), _MM_HINT_T0);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four_lo, four_hi;

@@ -1,0 +1,47 @@
+// The native quantized product alone (kernels/linear/quant_linear.cpp) at one shape, outside
+// torch: enough copies of the weight that every call reads it from memory (512 MB in all),
+// 40 timed calls, the median's microseconds and GB/s of weight bytes. bits 0: the bf16 blocked
+// product (blocked_linear.cpp) at the same shape. An A/B of two versions of a kernel: build
+// each, then alternate them (the machine's bandwidth drifts within seconds).
+//
+//   FL="-O3 -fopenmp -std=c++17 -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq \
+//       -mavx512bf16 -mavx512vnni -mtune=native -Ikernels"          (the level's flags: kernels/native/build.py)
+//   g++ $FL benchmarks/probes/quant_kernel_harness.cpp kernels/linear/quant_linear.cpp \
+//       kernels/linear/blocked_linear.cpp kernels/activation/silu_mul.cpp -o harness
+//   T=2 ./harness K N BITS [M]                                        (BITS 8, 4 or 0; M rows, default 1)
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+#include <vector>
+#include <algorithm>
+#include <chrono>
+#include <omp.h>
+#include <sys/mman.h>
+static void* halloc(size_t n){ n=(n+(2<<20)-1)/(2<<20)*(2<<20); void* p=aligned_alloc(2<<20,n); if(getenv("HP")) madvise(p,n,MADV_HUGEPAGE); return p; }
+#include "native/kernels.h"
+static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+int main(int argc, char** argv) {
+  int K = atoi(argv[1]), N = atoi(argv[2]), bits = atoi(argv[3]), M = argc > 4 ? atoi(argv[4]) : 1;
+  int threads = getenv("T") ? atoi(getenv("T")) : 2, group = 32, reps = 40;
+  size_t qbytes = bits ? (size_t)N * K * bits / 8 : (size_t)N * K * 2, sbytes = bits ? (size_t)N * (K / group) * 2 : 0;
+  size_t per = qbytes + sbytes; int copies = std::max<size_t>(1, (size_t)(512 << 20) / per);
+  std::vector<uint8_t*> qs, ss;
+  for (int c = 0; c < copies; c++) {
+    uint8_t* q = (uint8_t*)halloc( (qbytes + 63) / 64 * 64); for (size_t i = 0; i < qbytes; i++) q[i] = (uint8_t)(i * 2654435761u >> 13);
+    uint8_t* s = (uint8_t*)halloc( (sbytes + 64) / 64 * 64); for (size_t i = 0; i < sbytes / 2; i++) ((uint16_t*)s)[i] = 0x2000 + (i & 255);
+    qs.push_back(q); ss.push_back(s);
+  }
+  std::vector<uint16_t> x(M * K), y(M * N);
+  for (int i = 0; i < M * K; i++) x[i] = 0x3f80 + (i % 97);
+  std::vector<double> ts;
+  for (int r = 0; r < reps + copies; r++) {
+    int c = r % copies; double t = now();
+    if (bits) quant_linear_bf16(x.data(), qs[c], (uint16_t*)ss[c], nullptr, y.data(), M, N, K, bits, group, threads);
+    else blocked_linear_bf16(x.data(), (uint16_t*)qs[c], y.data(), M, N, K, threads);
+    if (r >= copies) ts.push_back(now() - t);
+  }
+  std::sort(ts.begin(), ts.end());
+  double t = ts[ts.size() / 2];
+  printf("K %d N %d bits %d M %d: %.1f us, %.1f GB/s\n", K, N, bits, M, t * 1e6, per / t / 1e9);
+}
