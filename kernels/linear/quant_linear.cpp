@@ -113,7 +113,11 @@ inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i3
 // for int4) and the broadcasts of x, within the level's registers.
 constexpr int QMR = simd::W == 16 ? 4 : 2;
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
-constexpr int PREFETCH_BYTES = 1024;    // ahead in each block's stream of q
+// Ahead in each block's stream of q, into L2 (prefetcht1): into L1 (prefetcht0) the misses in
+// flight were too few, and one core read int8 at about 60% of a plain read's bandwidth
+// (benchmarks/RESULTS.md, issue 39).
+constexpr int PREFETCH_BYTES = 2048;
+constexpr auto PREFETCH_HINT = _MM_HINT_T1;
 
 // What to prefetch at `offset` bytes into a block's stream `p` of a tile of NR blocks, qstride
 // bytes each: PREFETCH_BYTES ahead, or past the stream's end as far into the same block of the
@@ -192,7 +196,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
         for (int j = 0; j < NR; j++) {
           const uint8_t* p = q + j * qstride + ((size_t)b * QK / 4 + s) * 64;
           for (int v = 0; v < VB; v++) w[j * VB + v] = simd::load_bits(p + v * LANE_BYTES);
-          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 4 + s) * 64, qstride), _MM_HINT_T0);
+          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 4 + s) * 64, qstride), PREFETCH_HINT);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four;
@@ -230,7 +234,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
             lo[j * VB + v] = and_i(packed, low4);
             hi[j * VB + v] = and_i(srli16(packed, 4), low4);
           }
-          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 8 + s) * 64, qstride), _MM_HINT_T0);
+          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 8 + s) * 64, qstride), PREFETCH_HINT);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four_lo, four_hi;
