@@ -12,6 +12,10 @@
 #include "native/simd.h"
 
 #define PREFETCH_DISTANCE 32   // in k steps, i.e. 32 cache lines ahead in each W stream
+// Weight streams are prefetched into L2 (prefetcht1, here and in quant_linear.cpp): into L1 the
+// misses in flight were too few, and one core read its weights at 60-85% of a plain read's
+// bandwidth (benchmarks/RESULTS.md, issue 39).
+constexpr auto PREFETCH_HINT = _MM_HINT_T1;
 
 constexpr int VB = 16 / simd::W;              // vectors per 16-column block
 // Rows of x per pass. AVX2 6: MTP verify's 5 rows (k = 4) and 6 take one pass of one-block tiles
@@ -134,7 +138,7 @@ static inline void tile(const typename T::X* xp, const typename T::W* w, int ste
     for (int j = 0; j < NR; j++) {
       const typename T::W* p = w + ((size_t)j * steps + k) * LANE;
       for (int v = 0; v < VB; v++) wv[j * VB + v] = T::load(p + v * PER_VECTOR);
-      if (prefetch) _mm_prefetch((const char*)(p + PREFETCH_DISTANCE * LANE), _MM_HINT_T0);
+      if (prefetch) _mm_prefetch((const char*)(p + PREFETCH_DISTANCE * LANE), PREFETCH_HINT);
     }
     for (int r = 0; r < MR; r++) {
       const typename T::XB xb = T::broadcast(xp[(size_t)k * PANEL + r]);

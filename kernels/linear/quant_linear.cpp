@@ -113,11 +113,7 @@ inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i3
 // for int4) and the broadcasts of x, within the level's registers.
 constexpr int QMR = simd::W == 16 ? 4 : 2;
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
-// Ahead in each block's stream of q, into L2 (prefetcht1): into L1 (prefetcht0) the misses in
-// flight were too few, and one core read int8 at about 60% of a plain read's bandwidth
-// (benchmarks/RESULTS.md, issue 39).
-constexpr int PREFETCH_BYTES = 2048;
-constexpr auto PREFETCH_HINT = _MM_HINT_T1;
+constexpr int PREFETCH_BYTES = 2048;    // ahead in each block's stream of q (PREFETCH_HINT: into L2)
 
 // What to prefetch at `offset` bytes into a block's stream `p` of a tile of NR blocks, qstride
 // bytes each: PREFETCH_BYTES ahead, or past the stream's end as far into the same block of the
