@@ -6,8 +6,8 @@ out_proj, attention's q/k/v/o, the MLPs, the MTP layer's attention and MLP, and 
 tied embedding then reads its rows from the quantized table, at int8 at least: under int4 the
 lm_head's method keeps the table twice, int4 for the product (read whole at every step) and
 int8 for the lookups (one row a token). The lookup's error reaches every token's input: on the
-default model an int4 lookup cost about a third of int4's perplexity loss, the int4 product
-a tenth (benchmarks/RESULTS.md, issue 39); llama.cpp's Q4_0 and Q4_K_M files keep their tied
+default model an int4 lookup cost about a quarter of int4's perplexity loss, the int4 product
+less than a tenth (benchmarks/RESULTS.md, issue 39); llama.cpp's Q4_0 and Q4_K_M files keep their tied
 table at Q6_K for both. Kept float, as every quantized
 format and peer keeps them: GDN's in_proj_b / in_proj_a (they feed the decay and the beta
 sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_expert_gate

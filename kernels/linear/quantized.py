@@ -494,7 +494,7 @@ class QuantizedLinearMethod(LinearMethod):
     def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.float_tail is not None:
             raise NotImplementedError("rows of a layer with float shards")
-        if getattr(layer, "row_table", None) is not None:
+        if layer.row_table is not None:
             q, scales = layer.row_table
             return unpack(q, scales, self.rows_bits, self.group_size, rows=ids).to(layer.weight_dtype)
         rows = unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids, zeros=layer.qzeros)
