@@ -17,6 +17,7 @@ import torch
 
 from hybrid_engine.kernels import make_backend
 from hybrid_engine.models import load_config, load_model
+from hybrid_engine.models.load import release_freed_memory
 from hybrid_engine.models.parallel import SINGLE, check_tensor_parallel
 
 from .cache_sizing import DEFAULT_KV_TOKENS_PER_SEQ, build_cache, cache_spec_for
@@ -125,6 +126,7 @@ class LLMEngine:
         if quantized:
             quantized.report()
         self.tokenizer = gguf_file.tokenizer() if gguf_file is not None else load_tokenizer(config.model)
+        release_freed_memory()              # the tokenizer file's parse, freed but still resident
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         prefix_on = config.enable_prefix_caching

@@ -16,9 +16,28 @@ def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # a broken tokenizer should not hide behind a deep traceback
         raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from e
+    drop_python_vocabulary(tokenizer)
+    return tokenizer
+
+
+# The Python copies of the vocabulary and merges that transformers' byte-level BPE tokenizer
+# classes (Qwen3_5Tokenizer among them) build their Rust model from, and then keep.
+PYTHON_VOCABULARY = ("_vocab", "_merges")
+
+
+def drop_python_vocabulary(tokenizer) -> None:
+    """Lets go of the tokenizer's Python copies of its vocabulary and merges once the Rust model
+    (backend_tokenizer) holds its own: nothing reads them after construction (saving writes the
+    backend's tokenizer.json), and at Qwen3.5's 248k tokens they are ~85 MiB of Python objects
+    (benchmarks/RESULTS.md, issue 39's memory)."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return
+    for name in PYTHON_VOCABULARY:
+        if isinstance(getattr(tokenizer, name, None), (dict, list)):
+            setattr(tokenizer, name, None)
 
 
 class IncrementalDetokenizer:
