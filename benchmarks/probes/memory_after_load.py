@@ -1,7 +1,9 @@
 """Memory after load, with and without MTP speculation (issue 15): resident set size of a
 fresh process that has built an LLM, the cache pools' bytes, and the model's weight bytes
 (quantized weights' packed values, scales and float tails counted apart: issue 39's bound is
-RSS <= 1.1 x quantized bytes + cache + 300 MB). Also loading's peak: the kernel's high-water
+RSS <= 1.1 x the quantized model's weight bytes + cache + 300 MB, where the weight bytes are
+the quantized tensors and those the scheme keeps float: norms, conv taps, the MTP head's fc,
+as a GGUF file's size counts its F32 tensors too). Also loading's peak: the kernel's high-water
 mark of RSS (VmHWM: counts the checkpoint's file-backed mmap pages, which the kernel may
 reclaim) and the peak of anonymous memory alone (RssAnon, sampled every 2 ms while the LLM is
 built: the memory loading really needs), and both after loading.
@@ -72,7 +74,9 @@ def measure(model: str | None, dtype: str, k: int, quantization: str | None = No
                                 + pools.checkpoint_conv_states + pools.checkpoint_recurrent_states
                                 + [pools.checkpoint_hidden]))
     weights = [t for t in list(engine.model.parameters()) + list(engine.model.buffers()) if not t.is_meta]
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights if not t.is_mkldnn)
+    weights += [t for m in engine.model.modules() for t in _layout_tensors(getattr(m, "layout", None))]
+    weights = {t.data_ptr(): t for t in weights if not t.is_mkldnn}.values()     # (oneDNN's packed: unsized)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
     quantized = [getattr(m, name) for m in engine.model.modules()
                  for name in ("qweight", "qscales", "qzeros", "float_tail")
                  if isinstance(getattr(m, name, None), torch.Tensor)]
@@ -85,8 +89,23 @@ def measure(model: str | None, dtype: str, k: int, quantization: str | None = No
             "checkpoints": cache.prefix_store.checkpoints.size,
             "kv_pools": len(pools.kv_caches), "mtp_module": engine.model.mtp is not None,
             "weight_mib": weight_bytes / 2**20, "quantized_mib": quantized_bytes / 2**20,
-            "bound_mib": 1.1 * quantized_bytes / 2**20 + cache_bytes / 2**20 + 300 * 1e6 / 2**20,
+            "bound_mib": 1.1 * (quantized_bytes + weight_bytes) / 2**20 + cache_bytes / 2**20 + 300 * 1e6 / 2**20,
             "quantization": quantization, "torch": torch.__version__}
+
+
+def _layout_tensors(layout) -> list:
+    """The tensors a float projection's layout holds in place of its weight (kernels/linear/cpu.py:
+    a blocked copy, or the few- and many-row layouts of a split)."""
+    import torch
+    if layout is None:
+        return []
+    found = []
+    for value in vars(layout).values():
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            found += _layout_tensors(value)
+    return found
 
 
 def main() -> None:
