@@ -13,6 +13,10 @@ forward, sampling, detokenizing), after a warm-up; llama.cpp: llama-bench -p 0 -
 (its decode alone). Both at --threads. A quantized --dtype (q8_0, q4_0, q4_k_m: llama-quantize's
 file) pairs with ours quantized at load at the same bits (bench_llamacpp.py QUANTIZED), bf16
 activations.
+
+--prefill L pairs prefill instead: ours, STEPS fresh L-token prompts a block, each one engine
+step that prefills it and emits one token (prefix caching off); llama.cpp, llama-bench -p L -n 0
+-r STEPS. Tokens per second of prompt on both sides.
 """
 
 from __future__ import annotations
@@ -37,11 +41,15 @@ def llama_tg(binary: Path, gguf: Path, threads: int, steps: int) -> float:
     return run_llama_bench(binary, gguf, threads, 1, steps, prompt=0)[f"tg{steps}"]["tok_s"]
 
 
+def llama_pp(binary: Path, gguf: Path, threads: int, prompt: int, runs: int) -> float:
+    return run_llama_bench(binary, gguf, threads, runs, 0, prompt=prompt)[f"pp{prompt}"]["tok_s"]
+
+
 class Ours:
     """ab_decode_child.py in this tree, at a level: `block()` -> tok/s of one timed block."""
 
     def __init__(self, folder: Path, dtype: str, steps: int, engine: str, level: str, threads: int,
-                 omp_wait_policy: str = "default"):
+                 omp_wait_policy: str = "default", prefill: int = 0):
         # The child sets torch's thread count from AB_THREADS (default 2), over OMP_NUM_THREADS.
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), AB_THREADS=str(threads),
                    **LEVEL_ENV.get(OUR_LEVEL[level] or "", {}))
@@ -49,7 +57,9 @@ class Ours:
             env["AB_QUANTIZATION"], dtype = QUANTIZED[dtype].method, "bfloat16"
         if omp_wait_policy != "default":
             env["OMP_WAIT_POLICY"] = omp_wait_policy
-        self.steps = steps
+        if prefill:
+            env["AB_PREFILL"] = str(prefill)
+        self.steps, self.tokens_per_step = steps, prefill or 1
         self.proc = subprocess.Popen([sys.executable, str(HERE / "ab_decode_child.py"), str(folder), dtype, str(steps),
                                       "compiled" if engine == "compiled" else "eager"],
                                      cwd=HERE.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -61,7 +71,7 @@ class Ours:
     def block(self) -> float:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        return self.steps / float(self.proc.stdout.readline())
+        return self.steps * self.tokens_per_step / float(self.proc.stdout.readline())
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -75,7 +85,8 @@ def main() -> None:
     ap.add_argument("--engine", default="compiled", choices=["ours", "compiled"])
     ap.add_argument("--levels", default="native,avx2")
     ap.add_argument("--pairs", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=128, help="decode tokens per measurement, both engines")
+    ap.add_argument("--steps", type=int, default=128, help="decode tokens (--prefill: prompts) per measurement, both engines")
+    ap.add_argument("--prefill", type=int, default=0, help="pair prefills of this many tokens instead of decode")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hybrid-engine" / "llamacpp")
     ap.add_argument("--omp-wait-policy", default="default", choices=["default", "ACTIVE", "PASSIVE"],
@@ -92,16 +103,22 @@ def main() -> None:
         binary = llama_bench_path(args.work_dir, level)
         if not binary.exists():
             raise SystemExit(f"{binary} is not built: run bench_llamacpp.py --build --prepare-only first")
-        ours = Ours(folder, args.dtype, args.steps, args.engine, level, args.threads, args.omp_wait_policy)
+        ours = Ours(folder, args.dtype, args.steps, args.engine, level, args.threads, args.omp_wait_policy,
+                    prefill=args.prefill)
+
+        def llama() -> float:
+            if args.prefill:
+                return llama_pp(binary, gguf, args.threads, args.prefill, args.steps)
+            return llama_tg(binary, gguf, args.threads, args.steps)
         pairs = []
         try:
             for i in range(args.pairs):
                 if i % 2 == 0:
-                    theirs = llama_tg(binary, gguf, args.threads, args.steps)
+                    theirs = llama()
                     mine = ours.block()
                 else:
                     mine = ours.block()
-                    theirs = llama_tg(binary, gguf, args.threads, args.steps)
+                    theirs = llama()
                 pairs.append({"ours_tok_s": mine, "llama_tok_s": theirs, "ratio": mine / theirs})
                 print(f"{level} pair {i}: ours {mine:.1f} tok/s, llama.cpp {theirs:.1f} tok/s, ratio {mine / theirs:.2f}",
                       flush=True)
@@ -118,7 +135,7 @@ def main() -> None:
               f"llama.cpp {row['median_llama_tok_s']:.0f} tok/s medians)", flush=True)
     meta = {"started": started, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name] + sys.argv), "model": args.model, "dtype": args.dtype,
-            "engine": args.engine, "threads": args.threads, "omp_wait_policy": args.omp_wait_policy, "steps": args.steps, "gguf": str(gguf),
+            "engine": args.engine, "threads": args.threads, "omp_wait_policy": args.omp_wait_policy, "steps": args.steps, "prefill": args.prefill, "gguf": str(gguf),
             "cpu": cpu_record(), "load_end": os.getloadavg()}
     args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"JSON in {args.json}")
