@@ -110,6 +110,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        # what building freed (the tokenizer file's parse, loading's transients) but glibc kept
+        release_freed_memory()
 
     def _wire(self, config: EngineConfig, k: int, gguf_file: GgufFile | None) -> None:
         tp = self.tp_group.parallel if self.tp_group is not None else SINGLE
@@ -126,7 +128,6 @@ class LLMEngine:
         if quantized:
             quantized.report()
         self.tokenizer = gguf_file.tokenizer() if gguf_file is not None else load_tokenizer(config.model)
-        release_freed_memory()              # the tokenizer file's parse, freed but still resident
         if k and self.model.mtp is None:
             raise ValueError(f"speculative_config asks for MTP drafts but {config.model} has no mtp.* weights")
         prefix_on = config.enable_prefix_caching
