@@ -31,8 +31,8 @@ PYTHON_VOCABULARY = ("_vocab", "_merges")
 def drop_python_vocabulary(tokenizer) -> None:
     """Lets go of the tokenizer's Python copies of its vocabulary and merges once the Rust model
     (backend_tokenizer) holds its own: nothing reads them after construction (saving writes the
-    backend's tokenizer.json), and at Qwen3.5's 248k tokens they are ~85 MiB of Python objects
-    (benchmarks/RESULTS.md, issue 39's memory)."""
+    backend's tokenizer.json), and at Qwen3.5's vocabulary they hold more than the Rust model
+    itself (benchmarks/RESULTS.md, issue 39's memory)."""
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         return
     for name in PYTHON_VOCABULARY:

@@ -64,7 +64,6 @@ def test_round_trips_any_text(tok, way, text):
         assert stream(tok, ids, way).text == tok.decode(ids, skip_special_tokens=True)
 
 
-
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
     """The embedded tokenizer.json under Qwen3.5's own tokenizer class (as the Qwen3.5 checkpoints

@@ -176,8 +176,9 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
   static_assert(QK % simd::W == 0);
   constexpr int V = QK / simd::W;
   const int blocks = K / QK;
-  // rows apart on the product's threads where there are many (a prefill's share of the product
-  // was ~5%, all on one thread); decode's few rows stay on this one (a fork costs more there)
+  // rows apart on the product's threads where there are many (a prefill's rounding on one thread
+  // left the other idle: benchmarks/RESULTS.md, issue 39); decode's few rows stay on this one
+  // (a fork costs more there)
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= QUANTIZE_X_PARALLEL_ROWS)
   for (int m = 0; m < M; m++)
     for (int b = 0; b < blocks; b++) {
