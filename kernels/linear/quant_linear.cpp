@@ -111,7 +111,10 @@ inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i3
 // Rows of x per tile, and blocks of W per tile for a panel of `rows` rows: the tile holds
 // MR x NR x VB int32 sums and as many float32 accumulators, NR x VB weight vectors (twice that
 // for int4) and the broadcasts of x, within the level's registers.
-constexpr int QMR = simd::W == 16 ? 4 : 2;
+// AVX2's 16 registers hold 2 rows of int8 sums (4 measured no faster) but 4 of int4's 16-bit
+// pair sums, whose unpacked nibbles then serve twice the rows (benchmarks/RESULTS.md, issue 39).
+template <int BITS>
+constexpr int quant_rows_per_tile() { return simd::W == 16 || BITS == 4 ? 4 : 2; }
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
 constexpr int PREFETCH_BYTES = 2048;    // ahead in each block's stream of q (PREFETCH_HINT: into L2)
 
@@ -128,7 +131,9 @@ inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) 
 inline size_t block_bytes(int K, int bits) { return (size_t)K * 16 * bits / 8; }
 
 // x quantized: per row, K int8 values (qx), and per block of QK its scale (sx) and the sum of
-// its values (sumx: the weights' offset times it comes off each block's sum).
+// its values (sumx), times the weights' offset for the symmetric forms (what comes off each
+// block's sum, multiplied once here rather than per tile) and as it is for the zero-point forms
+// (which multiply it by each column's offset and zero point).
 struct QuantizedX {
   const int8_t* qx;
   const float* sx;
@@ -172,7 +177,8 @@ inline float reduce_max(simd::F v) {
 constexpr int QUANTIZE_X_PARALLEL_ROWS = 16;
 
 template <typename XIn>
-static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_t* sumx, int threads) {
+static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_t* sumx, int32_t sum_scale,
+                       int threads) {
   static_assert(QK % simd::W == 0);
   constexpr int V = QK / simd::W;
   const int blocks = K / QK;
@@ -197,7 +203,7 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
       }
       store_i8(qx + base, q);
       sx[(size_t)m * blocks + b] = amax / 127.0f;
-      sumx[(size_t)m * blocks + b] = reduce_add_i32(sum);
+      sumx[(size_t)m * blocks + b] = sum_scale * reduce_add_i32(sum);
     }
 }
 
@@ -295,7 +301,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
           const size_t xi = (size_t)(m0 + r) * blocks + b;
           simd::I s = sums[r][j * VB + v];
           if constexpr (ZP) s = sub_i32(s, mullo_i32(z, set1_i32(x.sumx[xi])));
-          else if constexpr (OFFSET != 0) s = sub_i32(s, set1_i32(OFFSET * x.sumx[xi]));
+          else if constexpr (OFFSET != 0) s = sub_i32(s, set1_i32(x.sumx[xi]));
           // product and sum each rounded on their own (no FMA): the torch reference's steps
           acc[r][j * VB + v] = simd::add(acc[r][j * VB + v], simd::mul_rounded(to_float(s), simd::mul(sw, simd::set1(x.sx[xi]))));
         }
@@ -309,6 +315,7 @@ template <int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
                                    const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N,
                                    int n0, Store store) {
+  constexpr int QMR = quant_rows_per_tile<BITS>();
   if (rows >= QMR) return quant_tile<QMR, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
   if constexpr (QMR > 2) {
     if (rows == 3) return quant_tile<3, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
@@ -317,11 +324,12 @@ static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K,
   quant_tile<1, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
 }
 
-// Every panel of QMR rows against each group of NR blocks: a group's weights (NR x K bytes or
+// Every panel of the level's rows per tile against each group of NR blocks: a group's weights (NR x K bytes or
 // half that) stay in cache while the panels pass over them.
 template <int BITS, bool ZP, typename Y, typename Store>
 static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t* sc, const int8_t* zp, Y* y, int M,
                           int N, int K, int group, int threads, Store store) {
+  constexpr int QMR = quant_rows_per_tile<BITS>();
   const int blocks = N / 16, NR = quant_blocks_per_tile(M < QMR ? M : QMR);
   const int groups = (blocks + NR - 1) / NR;
   const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
@@ -354,7 +362,8 @@ static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, const
   int8_t* qx = xs.as<int8_t>();
   float* sx = (float*)(xs.as<char>() + qx_bytes);
   int32_t* sumx = (int32_t*)(xs.as<char>() + qx_bytes + sx_bytes);
-  quantize_x(x, M, K, qx, sx, sumx, threads);
+  const int32_t sum_scale = zp ? 1 : bits == 4 ? 8 : (VNNI ? 128 : 0);
+  quantize_x(x, M, K, qx, sx, sumx, sum_scale, threads);
   const QuantizedX xq{qx, sx, sumx};
   auto store = [](XY* p, simd::F v) {
     if constexpr (sizeof(XY) == 4) simd::store((float*)p, v);
