@@ -111,10 +111,7 @@ inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i3
 // Rows of x per tile, and blocks of W per tile for a panel of `rows` rows: the tile holds
 // MR x NR x VB int32 sums and as many float32 accumulators, NR x VB weight vectors (twice that
 // for int4) and the broadcasts of x, within the level's registers.
-// AVX2's 16 registers hold 2 rows of int8 sums (4 measured no faster) but 4 of int4's 16-bit
-// pair sums, whose unpacked nibbles then serve twice the rows (benchmarks/RESULTS.md, issue 39).
-template <int BITS>
-constexpr int quant_rows_per_tile() { return simd::W == 16 || BITS == 4 ? 4 : 2; }
+constexpr int QMR = 4;
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
 constexpr int PREFETCH_BYTES = 2048;    // ahead in each block's stream of q (PREFETCH_HINT: into L2)
 
@@ -207,6 +204,13 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
     }
 }
 
+// GCC turns the running sums of a block's unrolled steps into trees of temporaries (integer adds
+// reassociate), which at AVX2's 16 registers spill to the stack: 15-20% of the product's time at
+// prefill (benchmarks/RESULTS.md, issue 39). An empty asm on each sum after its add keeps it one
+// register, added to step by step.
+template <typename V>
+inline void in_order(V& sum) { __asm__("" : "+v"(sum)); }
+
 // One tile: MR rows of quantized x (from row m0) times NR blocks of q (q: the first block's
 // first byte, blocks qstride bytes apart) with their scales (sc, blocks sstride halves apart)
 // and, with ZP, their zero points (zp, laid out as the scales) -> y rows m0.. (row stride N)
@@ -247,10 +251,14 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
             for (int j = 0; j < NR * VB; j++) {
               const simd::I sw = xor_i(w[j], flip);
               sums[r][j] = add_i32(sums[r][j], madd_pairs(abs8(sw), sign8(xv, sw)));
+              in_order(sums[r][j]);
             }
           } else {
             const simd::I ax = abs8(xv);
-            for (int j = 0; j < NR * VB; j++) sums[r][j] = add_i32(sums[r][j], madd_pairs(ax, sign8(xor_i(w[j], flip), xv)));
+            for (int j = 0; j < NR * VB; j++) {
+              sums[r][j] = add_i32(sums[r][j], madd_pairs(ax, sign8(xor_i(w[j], flip), xv)));
+              in_order(sums[r][j]);
+            }
           }
         }
       }
@@ -280,7 +288,10 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
           const simd::I xl = set1_i32(four_lo), xh = set1_i32(four_hi);
           for (int j = 0; j < NR * VB; j++) {
             if constexpr (VNNI) sums[r][j] = dot_u8s8(dot_u8s8(sums[r][j], lo[j], xl), hi[j], xh);
-            else pairs[r][j] = add_i16(pairs[r][j], add_i16(maddubs(lo[j], xl), maddubs(hi[j], xh)));
+            else {
+              pairs[r][j] = add_i16(pairs[r][j], add_i16(maddubs(lo[j], xl), maddubs(hi[j], xh)));
+              in_order(pairs[r][j]);
+            }
           }
         }
       }
@@ -315,7 +326,6 @@ template <int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
                                    const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N,
                                    int n0, Store store) {
-  constexpr int QMR = quant_rows_per_tile<BITS>();
   if (rows >= QMR) return quant_tile<QMR, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
   if constexpr (QMR > 2) {
     if (rows == 3) return quant_tile<3, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
@@ -324,12 +334,11 @@ static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K,
   quant_tile<1, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
 }
 
-// Every panel of the level's rows per tile against each group of NR blocks: a group's weights (NR x K bytes or
+// Every panel of QMR rows against each group of NR blocks: a group's weights (NR x K bytes or
 // half that) stay in cache while the panels pass over them.
 template <int BITS, bool ZP, typename Y, typename Store>
 static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t* sc, const int8_t* zp, Y* y, int M,
                           int N, int K, int group, int threads, Store store) {
-  constexpr int QMR = quant_rows_per_tile<BITS>();
   const int blocks = N / 16, NR = quant_blocks_per_tile(M < QMR ? M : QMR);
   const int groups = (blocks + NR - 1) / NR;
   const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
