@@ -127,6 +127,10 @@ inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) 
 
 inline size_t block_bytes(int K, int bits) { return (size_t)K * 16 * bits / 8; }
 
+// The offset the tiles' integer sums carry per unit of x: int4's nibbles hold q + 8, int8's bytes
+// q + 128, which vpdpbusd reads as they are and the tiles without VNNI flip back to signed first.
+constexpr int sum_offset(int bits) { return bits == 4 ? 8 : (VNNI ? 128 : 0); }
+
 // x quantized: per row, K int8 values (qx), and per block of QK its scale (sx) and the sum of
 // its values (sumx), times the weights' offset for the symmetric forms (what comes off each
 // block's sum, multiplied once here rather than per tile) and as it is for the zero-point forms
@@ -205,8 +209,8 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
 }
 
 // GCC turns the running sums of a block's unrolled steps into trees of temporaries (integer adds
-// reassociate), which at AVX2's 16 registers spill to the stack: 15-20% of the product's time at
-// prefill (benchmarks/RESULTS.md, issue 39). An empty asm on each sum after its add keeps it one
+// reassociate), which at AVX2's 16 registers spill to the stack, a large share of a prefill's
+// product (benchmarks/RESULTS.md, issue 39). An empty asm on each sum after its add keeps it one
 // register, added to step by step.
 template <typename V>
 inline void in_order(V& sum) { __asm__("" : "+v"(sum)); }
@@ -300,7 +304,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
           for (int j = 0; j < NR * VB; j++) sums[r][j] = widen_pairs(pairs[r][j]);
     }
     // the block's sums, offset (and zero point) taken off, in float times the weights' and x's scales
-    constexpr int OFFSET = BITS == 4 ? 8 : (VNNI ? 128 : 0);
+    constexpr int OFFSET = sum_offset(BITS);
     const int gi = b * QK / group;
     for (int j = 0; j < NR; j++)
       for (int v = 0; v < VB; v++) {
@@ -371,7 +375,7 @@ static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, const
   int8_t* qx = xs.as<int8_t>();
   float* sx = (float*)(xs.as<char>() + qx_bytes);
   int32_t* sumx = (int32_t*)(xs.as<char>() + qx_bytes + sx_bytes);
-  const int32_t sum_scale = zp ? 1 : bits == 4 ? 8 : (VNNI ? 128 : 0);
+  const int32_t sum_scale = zp ? 1 : sum_offset(bits);
   quantize_x(x, M, K, qx, sx, sumx, sum_scale, threads);
   const QuantizedX xq{qx, sx, sumx};
   auto store = [](XY* p, simd::F v) {
