@@ -32,6 +32,7 @@ from gguf_files import write_gguf
 from engine_checks import assert_no_leak, budget_for_blocks
 from quantized_checkpoints import write_asymmetric_pair, write_fp8_pair, write_gptq_pair
 from spec_models import make_spec_checkpoint
+from subprocess_signals import default_sigint
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
@@ -638,7 +639,7 @@ def test_workers_end_when_the_driver_is_killed_or_interrupted(dense_ckpt, how):
             time.sleep(60)
     """)
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=default_sigint)
     pids = [int(p) for p in driver.stdout.readline().split()]
     assert pids, driver.stderr.read()
     driver.send_signal(how)
