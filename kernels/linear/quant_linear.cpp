@@ -109,8 +109,9 @@ inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i3
 #endif
 
 // Rows of x per tile, and blocks of W per tile for a panel of `rows` rows: the tile holds
-// MR x NR x VB int32 sums and as many float32 accumulators, NR x VB weight vectors (twice that
-// for int4) and the broadcasts of x, within the level's registers.
+// MR x NR x VB int32 sums, NR x VB weight vectors (twice that for int4) and the broadcasts of x
+// within the level's registers; its as many float32 accumulators, touched once a block, may live
+// in memory (at AVX2 they do).
 constexpr int QMR = 4;
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
 constexpr int PREFETCH_BYTES = 2048;    // ahead in each block's stream of q (PREFETCH_HINT: into L2)
@@ -208,17 +209,15 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
     }
 }
 
-// GCC turns the running sums of a block's unrolled steps into trees of temporaries (integer adds
-// reassociate), which at AVX2's 16 registers spill to the stack, a large share of a prefill's
-// product (benchmarks/RESULTS.md, issue 39). An empty asm on each sum after its add keeps it one
-// register, added to step by step.
-template <typename V>
-inline void in_order(V& sum) { __asm__("" : "+v"(sum)); }
-
 // One tile: MR rows of quantized x (from row m0) times NR blocks of q (q: the first block's
 // first byte, blocks qstride bytes apart) with their scales (sc, blocks sstride halves apart)
 // and, with ZP, their zero points (zp, laid out as the scales) -> y rows m0.. (row stride N)
 // from column n0.
+//
+// Without VNNI each running sum is made opaque after its add (simd::opaque): GCC otherwise turns
+// the sums of a block's unrolled steps into trees of temporaries (integer adds reassociate),
+// which at AVX2's 16 registers spill to the stack, a large share of a prefill's product
+// (benchmarks/RESULTS.md, issue 39).
 template <int MR, int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
                               const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N, int n0,
@@ -255,13 +254,13 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
             for (int j = 0; j < NR * VB; j++) {
               const simd::I sw = xor_i(w[j], flip);
               sums[r][j] = add_i32(sums[r][j], madd_pairs(abs8(sw), sign8(xv, sw)));
-              in_order(sums[r][j]);
+              simd::opaque(sums[r][j]);
             }
           } else {
             const simd::I ax = abs8(xv);
             for (int j = 0; j < NR * VB; j++) {
               sums[r][j] = add_i32(sums[r][j], madd_pairs(ax, sign8(xor_i(w[j], flip), xv)));
-              in_order(sums[r][j]);
+              simd::opaque(sums[r][j]);
             }
           }
         }
@@ -294,7 +293,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
             if constexpr (VNNI) sums[r][j] = dot_u8s8(dot_u8s8(sums[r][j], lo[j], xl), hi[j], xh);
             else {
               pairs[r][j] = add_i16(pairs[r][j], add_i16(maddubs(lo[j], xl), maddubs(hi[j], xh)));
-              in_order(pairs[r][j]);
+              simd::opaque(pairs[r][j]);
             }
           }
         }

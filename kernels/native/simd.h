@@ -116,11 +116,16 @@ inline void store_bf16(uint16_t* p, F v) {
 #error "simd.h needs AVX2+FMA or AVX-512 (kernels/native/build.py passes a level's flags)"
 #endif
 
+// An empty asm the compiler must assume reads and rewrites v: v stays the value computed before
+// it, in a register (not fused into a later FMA, not reassociated with later adds).
+template <typename V>
+inline void opaque(V& v) { asm("" : "+v"(v)); }
+
 // a * b rounded on its own: the compiler may not fuse it into a later add (GCC contracts vector
 // mul + add into FMA by default). For sums that must round every product as torch's do.
 inline F mul_rounded(F a, F b) {
   F p = mul(a, b);
-  asm("" : "+v"(p));
+  opaque(p);
   return p;
 }
 
