@@ -7,7 +7,11 @@ subsets. Greedy text drifts apart once one token differs, so a single run's per-
 script's subsets), as large as the gap it is meant to measure.
 
     python benchmarks/acceptance_gap.py [--prompts FILE.jsonl | --make-prompts N] [--subsets 8]
-        [--model DIR] [--quantization int8 int4] [--max-k 4] [--max-tokens 128] [--json OUT]
+        [--model DIR] [--quantization int8 int4] [--against DIR ...] [--max-k 4] [--max-tokens 128]
+        [--json OUT]
+
+--against DIR: also checkpoints stored quantized (`hybrid-engine quantize`'s output, a GGUF
+file) or other copies of --model's weights, each run as stored and compared with --model.
 
 --make-prompts N: N prompts of 300 characters from the default model's held-out stdlib files
 (examples/train_default_model.py: the split depends on the Python version), each starting at
@@ -63,12 +67,12 @@ def largest(table: dict[int, list[tuple[float, float]]]) -> tuple[float, float, 
     return max((m, se, k, j + 1) for k, cells in table.items() for j, (m, se) in enumerate(cells))
 
 
-def run_bench(prompts: Path, out: Path, args, quantization: str | None) -> dict[int, list[float]]:
+def run_bench(prompts: Path, out: Path, args, model: str | None, quantization: str | None) -> dict[int, list[float]]:
     cmd = [sys.executable, "-m", "hybrid_engine.cli", "bench", "--prompts", str(prompts), "--max-k", str(args.max_k),
            "--repeats", "1", "--max-tokens", str(args.max_tokens), "--batch-size", str(args.batch_size),
            "--json", str(out)]
-    if args.model:
-        cmd += ["--model", args.model]
+    if model:
+        cmd += ["--model", model]
     if quantization:
         cmd += ["--quantization", quantization]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -82,12 +86,15 @@ def main() -> None:
     source.add_argument("--make-prompts", type=int, metavar="N")
     ap.add_argument("--subsets", type=int, default=8)
     ap.add_argument("--model", default=None, help="default: the embedded default model")
-    ap.add_argument("--quantization", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--quantization", nargs="*", default=["int8", "int4"])
+    ap.add_argument("--against", nargs="*", default=[], metavar="DIR")
     ap.add_argument("--max-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if args.prompts:
         lines = Path(args.prompts).read_text().splitlines()
     else:
@@ -96,21 +103,23 @@ def main() -> None:
             Path(args.json).with_name(f"prompts_{len(lines)}.jsonl").write_text("\n".join(lines) + "\n")
     if len(lines) < 2 * args.subsets:
         raise SystemExit(f"{len(lines)} prompts are too few for {args.subsets} subsets")
+    # name -> (model, quantization): the float run first, then each run compared with it
+    runs = {"float": (args.model, None), **{q: (args.model, q) for q in args.quantization},
+            **{str(m): (str(m), None) for m in args.against}}
     rates: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="acceptance-gap-") as work:
         for s in range(args.subsets):
             subset = Path(work) / f"subset{s}.jsonl"
             subset.write_text("\n".join(lines[s::args.subsets]) + "\n")
-            for q in [None, *args.quantization]:
-                name = q or "float"
-                rates.setdefault(name, []).append(run_bench(subset, Path(work) / f"{name}{s}.json", args, q))
+            for i, (name, (model, q)) in enumerate(runs.items()):
+                rates.setdefault(name, []).append(run_bench(subset, Path(work) / f"run{i}-{s}.json", args, model, q))
                 print(f"subset {s + 1}/{args.subsets} {name} done", file=sys.stderr, flush=True)
     report = {"prompts": args.prompts or f"made: {len(lines)}", "num_prompts": len(lines), "subsets": args.subsets,
               "max_tokens": args.max_tokens, "model": args.model or "default", "rates": rates, "gaps": {}}
     base = rates["float"]
     print("float:", " | ".join(" ".join(f"{statistics.mean(r[k][j] for r in base):.3f}" for j in range(k))
                                for k in sorted(base[0])))
-    for q in args.quantization:
+    for q in list(runs)[1:]:
         table = gaps(base, rates[q])
         report["gaps"][q] = {str(k): cells for k, cells in table.items()}
         gap, se, k, pos = largest(table)
