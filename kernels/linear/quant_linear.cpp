@@ -110,8 +110,8 @@ inline simd::I dot_u8s8(simd::I acc, simd::I a_u8, simd::I b_s8) { return add_i3
 
 // Rows of x per tile, and blocks of W per tile for a panel of `rows` rows: the tile holds
 // MR x NR x VB int32 sums, NR x VB weight vectors (twice that for int4) and the broadcasts of x
-// within the level's registers; its as many float32 accumulators, touched once a block, may live
-// in memory (at AVX2 they do).
+// within the level's registers; its float32 accumulators (as many as the sums), touched once a
+// block, may live in memory (at AVX2 they do).
 constexpr int QMR = 4;
 inline int quant_blocks_per_tile(int rows) { return simd::W == 16 ? (rows <= 2 ? 4 : 2) : 1; }
 constexpr int PREFETCH_BYTES = 2048;    // ahead in each block's stream of q (PREFETCH_HINT: into L2)
