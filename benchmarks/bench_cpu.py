@@ -132,7 +132,7 @@ def quantized_weight_bytes(model) -> dict:
         if getattr(module, "qweight", None) is None:
             continue
         extras = (getattr(module, name, None) for name in ("qzeros", "float_tail"))
-        packed += module.qweight.nbytes + module.qscales.nbytes + sum(t.nbytes for t in extras if t is not None)
+        packed += module.qweight.nbytes + sum(t.nbytes for t in extras if t is not None)
         float_equivalent += module.weight.numel() * module.weight.element_size()   # a meta tensor: shape and dtype
         layers += 1
     return {"packed": packed, "float": float_equivalent, "layers": layers}

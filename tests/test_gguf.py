@@ -110,7 +110,7 @@ def test_blocks_load_unchanged(tmp_path):
         layer = dict(engine.model.named_modules())["layers.0.mlp.gate_up_proj"]
         want = np.concatenate([gguf.quants.dequantize(tensors[f"blk.0.ffn_{p}.weight"].data, tensors[f"blk.0.ffn_{p}.weight"].tensor_type)
                                for p in ("gate", "up")])
-        got = unpack(layer.qweight, layer.qscales, layer.method.bits, 32)[:want.shape[0]]
+        got = unpack(layer.qweight, layer.method.bits, 32)[:want.shape[0]]
         assert torch.equal(got, torch.from_numpy(want)), qtype
 
 

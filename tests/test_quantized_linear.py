@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, QuantizedLinearMethod, QuantizedWeight,
-                                                    _int4_search_torch, dequantize, pack, pack_zeros, quant_linear,
-                                                    quant_linear_reference, quantize, quantize_packed, unpack)
+                                                    _int4_search_torch, block_bytes, dequantize, pack, pack_zeros,
+                                                    packed_scales, quant_linear, quant_linear_reference, quantize,
+                                                    quantize_packed, unpack)
 from hybrid_engine.kernels.native.isa import LEVELS, at_least
 from hybrid_engine.kernels.native.ops import native_ops
 from hybrid_engine.models.linear import Linear
@@ -91,12 +92,31 @@ def test_pack_and_unpack_round_trip(bits, group, rows, groups, seed):
     w = torch.randn(rows, group * groups, generator=torch.Generator().manual_seed(seed))
     qw = quantize(w, bits, group)
     assert int(qw.values.min()) >= (-127 if bits == 8 else -8) and int(qw.values.max()) <= (127 if bits == 8 else 7)
-    q, scales = pack(qw)
-    assert q.shape == (-(-rows // 16), group * groups * bits // 32, 16, 4) and q.dtype == torch.uint8
-    full = unpack(q, scales, bits, group)
+    q = pack(qw)
+    assert q.shape == (-(-rows // 16), block_bytes(group * groups, bits, group)) and q.dtype == torch.uint8
+    assert q.shape[1] == (groups + 1) // 2 * 64 + groups * group * 16 * bits // 8
+    full = unpack(q, bits, group)
     assert torch.equal(full[:rows], dequantize(qw)) and not full[rows:].any()
+    assert torch.equal(packed_scales(q, bits, group)[:rows], qw.scales)
     ids = torch.randint(0, rows, (5,), generator=torch.Generator().manual_seed(seed))
-    assert torch.equal(unpack(q, scales, bits, group, rows=ids), dequantize(qw)[ids])
+    assert torch.equal(unpack(q, bits, group, rows=ids), dequantize(qw)[ids])
+
+
+def test_packed_units_hold_two_groups_scales_then_their_codes():
+    """The stream of a block of 16 rows: per unit of two groups, their float16 scales [2, 16]
+    (64 bytes), then the groups' codes; an odd last group a unit of its own."""
+    values = torch.arange(16 * 96).reshape(16, 96).remainder(15).sub(7).to(torch.int8)     # three groups of 32
+    scales = (torch.arange(16 * 3).reshape(16, 3) + 1).half()
+    q = pack(QuantizedWeight(values, scales, 4, 32))
+    code_bytes = 32 * 16 // 2
+    assert q.shape == (1, 64 + 2 * code_bytes + 64 + code_bytes)
+    unit = 64 + 2 * code_bytes
+    assert torch.equal(q[0, :64].view(torch.float16), scales[:, :2].t().reshape(-1))
+    assert torch.equal(q[0, unit:unit + 32].view(torch.float16), scales[:, 2])
+    assert not q[0, unit + 32:unit + 64].any()                       # the odd unit's unused half
+    # the first lane of the second group: row 0's k = 32..35 (low nibbles) and 36..39 (high), each + 8
+    low, high = (values[0, 32:36] + 8).tolist(), (values[0, 36:40] + 8).tolist()
+    assert q[0, 64 + code_bytes:64 + code_bytes + 4].tolist() == [lo | hi << 4 for lo, hi in zip(low, high)]
 
 
 def test_dequantize_takes_the_zero_points_off():
@@ -104,9 +124,9 @@ def test_dequantize_takes_the_zero_points_off():
                          torch.tensor([[0.5, 2.0]]).half(), 8, 4, zeros=torch.tensor([[127, -128]], dtype=torch.int8))
     want = [[-127.5, 0.0, -63.5, -61.0, 258.0, 260.0, 262.0, 264.0]]
     assert dequantize(qw).tolist() == want
-    q, scales = pack(qw)
-    assert unpack(q, scales, 8, 4, zeros=pack_zeros(qw))[:1].tolist() == want
-    assert q[0, 0, 0].tolist() == [0, 255, 128, 133]        # the stored byte: the code q itself
+    q = pack(qw)
+    assert unpack(q, 8, 4, zeros=pack_zeros(qw))[:1].tolist() == want
+    assert q[0, 64:68].tolist() == [0, 255, 128, 133]        # the stored byte: the code q itself
 
 
 @settings(max_examples=60, deadline=None)
@@ -114,16 +134,16 @@ def test_dequantize_takes_the_zero_points_off():
        groups=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_pack_and_unpack_round_trip_with_zero_points(bits, group, rows, groups, seed):
     qw = asymmetric_weight(rows, group * groups, bits, group, seed)
-    q, scales = pack(qw)
+    q = pack(qw)
     zeros = pack_zeros(qw)
-    assert zeros.dtype == torch.int8 and zeros.shape == scales.shape == (-(-rows // 16), groups, 16)
-    full = unpack(q, scales, bits, group, zeros=zeros)
+    assert zeros.dtype == torch.int8 and zeros.shape == (-(-rows // 16), groups, 16)
+    full = unpack(q, bits, group, zeros=zeros)
     assert torch.equal(full[:rows], dequantize(qw)) and not full[rows:].any()
     zero_at, scale_at = (t.float().repeat_interleave(group, 1) for t in (qw.zeros, qw.scales))
     want = (qw.values.float() - zero_at) * scale_at
     assert torch.equal(dequantize(qw), want)
     ids = torch.randint(0, rows, (5,), generator=torch.Generator().manual_seed(seed))
-    assert torch.equal(unpack(q, scales, bits, group, rows=ids, zeros=zeros), want[ids])
+    assert torch.equal(unpack(q, bits, group, rows=ids, zeros=zeros), want[ids])
 
 
 @pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
@@ -135,20 +155,20 @@ def test_native_product_with_zero_points_against_the_reference(level, bits, grou
     without it): the kernel's bits are the reference's at 1 to 5 rows, float32 and bf16."""
     product = native_ops(level).linear_quant.default
     qw = asymmetric_weight(40, 256, bits, group, seed=bits * group)
-    q, scales = pack(qw)
+    q = pack(qw)
     zeros = pack_zeros(qw)
     g = torch.Generator().manual_seed(group)
     for dtype in (torch.float32, torch.bfloat16):
         for m in range(1, 6):
             x = torch.randn(m, 256, generator=g).to(dtype)
-            got = product(x, q, scales, zeros, bits, group)
+            got = product(x, q, zeros, bits, group)
             assert got.dtype == dtype and got.shape == (m, 48)
-            assert torch.equal(got, quant_linear_reference(x, q, scales, bits, group, True, zeros)), (dtype, m)
+            assert torch.equal(got, quant_linear_reference(x, q, bits, group, True, zeros)), (dtype, m)
     # the zero points matter: without them the product is another one
     x = torch.randn(2, 256, generator=g)
-    assert not torch.equal(product(x, q, scales, zeros, bits, group), product(x, q, scales, None, bits, group))
+    assert not torch.equal(product(x, q, zeros, bits, group), product(x, q, None, bits, group))
     exact = x @ dequantize(qw).t()
-    got = product(x, q, scales, zeros, bits, group)[:, :40]
+    got = product(x, q, zeros, bits, group)[:, :40]
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
 
 
@@ -157,11 +177,11 @@ def test_native_product_with_zero_points_against_the_reference(level, bits, grou
 def test_native_product_refuses_zero_points_that_do_not_fit(level):
     product = native_ops(level).linear_quant.default
     qw = asymmetric_weight(16, 64, 4, 32, seed=0)
-    q, scales = pack(qw)
-    with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
-        product(torch.randn(1, 64), q, scales, pack_zeros(qw).float(), 4, 32)
-    with pytest.raises(ValueError, match="zeros .* are not int8 laid out as the scales"):
-        product(torch.randn(1, 64), q, scales, pack_zeros(qw)[:, :1].contiguous(), 4, 32)
+    q = pack(qw)
+    with pytest.raises(ValueError, match=r"zeros .* are not int8 \[1, 2, 16\]"):
+        product(torch.randn(1, 64), q, pack_zeros(qw).float(), 4, 32)
+    with pytest.raises(ValueError, match=r"zeros .* are not int8 \[1, 2, 16\]"):
+        product(torch.randn(1, 64), q, pack_zeros(qw)[:, :1].contiguous(), 4, 32)
 
 
 @settings(max_examples=40, deadline=None)
@@ -170,46 +190,46 @@ def test_native_product_refuses_zero_points_that_do_not_fit(level):
 def test_quantize_packed_in_slices_is_pack_of_quantize(bits, rows, slices, seed):
     """Loading quantizes a float weight a slice of rows at a time (the last one padded): the same bits."""
     w = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    q, scales = quantize_packed(w, bits, 32, rows_at_once=slices)
-    want_q, want_scales = pack(quantize(w, bits, 32))
-    assert torch.equal(q, want_q) and torch.equal(scales, want_scales)
+    assert torch.equal(quantize_packed(w, bits, 32, rows_at_once=slices), pack(quantize(w, bits, 32)))
 
 
 @needs_native
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group, k", [(32, 512), (128, 512), (32, 480), (128, 640)])   # the last two: odd groups
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_product_against_the_reference(bits, group, dtype):
+def test_native_product_against_the_reference(bits, group, k, dtype):
     """The kernel rounds x to int8 in blocks of 32 and sums integers: the reference takes the same
     steps in torch, and gives the same bits at every row count; each row's result is the same
     whichever rows it is computed with (a decode's row alone or in a batch)."""
     g = torch.Generator().manual_seed(bits * group)
-    n, k = 100, 512
+    n = 100
     qw = quantize(torch.randn(n, k, generator=g), bits, group)
-    q, scales = pack(qw)
+    q = pack(qw)
     x_all = torch.randn(33, k, generator=g).to(dtype)
-    alone = torch.cat([quant_linear(x_all[i:i + 1], q, scales, bits, group) for i in range(33)])
+    alone = torch.cat([quant_linear(x_all[i:i + 1], q, bits, group) for i in range(33)])
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
         x = x_all[:m]
-        got = quant_linear(x, q, scales, bits, group)
+        got = quant_linear(x, q, bits, group)
         assert got.dtype == dtype and got.shape == (m, 112)
         assert torch.equal(got, alone[:m]), m
-        assert torch.equal(got, quant_linear_reference(x, q, scales, bits, group, int8_activations=True)), m
+        assert torch.equal(got, quant_linear_reference(x, q, bits, group, int8_activations=True)), m
     # and x's rounding is what separates it from the float product: within a few 1/254 of max|x|
-    exact = quant_linear_reference(x_all, q, scales, bits, group).float()
+    exact = quant_linear_reference(x_all, q, bits, group).float()
     assert ((alone.float() - exact).abs().max() / exact.abs().max()).item() < 0.02
 
 
 @needs_native
 def test_native_product_refuses_what_does_not_fit():
     qw = quantize(torch.randn(16, 64), 4, 32)
-    q, scales = pack(qw)
+    q = pack(qw)
     with pytest.raises(ValueError, match="group 16 is not a multiple of 32"):
-        quant_linear(torch.randn(1, 64), q, scales, 4, 16)
+        quant_linear(torch.randn(1, 64), q, 4, 16)
     with pytest.raises(ValueError, match="does not fit int4 weights"):
-        quant_linear(torch.randn(1, 32), q, scales, 4, 32)
+        quant_linear(torch.randn(1, 32), q, 4, 32)
+    with pytest.raises(ValueError, match="does not fit int8 weights"):
+        quant_linear(torch.randn(1, 64), q, 8, 32)
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
-        quant_linear(torch.randn(1, 64), q, scales, 2, 32)
+        quant_linear(torch.randn(1, 64), q, 2, 32)
     with pytest.raises(ValueError, match="takes groups of a multiple of 32"):
         QuantizedLinearMethod(8, 16, native=True)
 
@@ -245,8 +265,8 @@ def test_method_keeps_float_shards_float(native, bits):
     layer = _layer(w, QuantizedLinearMethod(bits, 32, native=native, float_shards=("in_proj_b", "in_proj_a")), shards)
     assert layer.weight.is_meta and layer.float_tail.shape == (8, 64)
     x = torch.randn(3, 64, generator=g)
-    q, scales = pack(quantize(w[:64], bits, 32))
-    quantized = (quant_linear_reference(x, q, scales, bits, 32, int8_activations=True) if native
+    q = pack(quantize(w[:64], bits, 32))
+    quantized = (quant_linear_reference(x, q, bits, 32, int8_activations=True) if native
                  else x @ dequantize(quantize(w[:64], bits, 32)).t())            # the native kernel rounds x
     want = torch.cat([quantized, x @ w[64:].t()], dim=-1)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
@@ -290,8 +310,8 @@ def test_method_runs_asymmetric_weights(native, bits):
     layer.method.load_quantized(layer, qw, None, torch.float32)
     assert torch.equal(layer.qzeros, pack_zeros(qw))
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
-    q, scales = pack(qw)
-    want = quant_linear_reference(x, q, scales, bits, 32, native, pack_zeros(qw))[:, :40]
+    q = pack(qw)
+    want = quant_linear_reference(x, q, bits, 32, native, pack_zeros(qw))[:, :40]
     assert torch.equal(layer(x), want)
     assert torch.equal(layer.rows(torch.tensor([0, 39, 7])), dequantize(qw)[[0, 39, 7]])
 
@@ -306,8 +326,8 @@ def test_method_takes_symmetric_int8_of_minus_128(native):
     layer.method.load_quantized(layer, qw, None, torch.float32)
     assert layer.qzeros is not None and not layer.qzeros.any()
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
-    q, scales = pack(qw)
-    assert torch.equal(layer(x), quant_linear_reference(x, q, scales, 8, 32, int8_activations=native))
+    q = pack(qw)
+    assert torch.equal(layer(x), quant_linear_reference(x, q, 8, 32, int8_activations=native))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -333,7 +353,7 @@ def test_rows_come_from_a_table_of_their_own_bits_where_the_layer_serves_lookups
     layer.process_weights_after_loading()
     ids = torch.tensor([0, 39, 7])
     x = torch.randn(3, 64)
-    q, scales = pack(quantize(w, 4, 32))
-    assert torch.equal(layer(x), quant_linear_reference(x, q, scales, 4, 32)[:, :40])   # the product: int4
+    q = pack(quantize(w, 4, 32))
+    assert torch.equal(layer(x), quant_linear_reference(x, q, 4, 32)[:, :40])   # the product: int4
     assert (layer.row_table is not None) == serves_rows
     assert torch.equal(layer.rows(ids), dequantize(quantize(w, 8 if serves_rows else 4, 32))[ids])

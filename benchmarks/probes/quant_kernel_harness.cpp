@@ -24,20 +24,26 @@ static double now() { return std::chrono::duration<double>(std::chrono::steady_c
 int main(int argc, char** argv) {
   int K = atoi(argv[1]), N = atoi(argv[2]), bits = atoi(argv[3]), M = argc > 4 ? atoi(argv[4]) : 1;
   int threads = getenv("T") ? atoi(getenv("T")) : 2, group = 32, reps = 40;
-  size_t qbytes = bits ? (size_t)N * K * bits / 8 : (size_t)N * K * 2, sbytes = bits ? (size_t)N * (K / group) * 2 : 0;
-  size_t per = qbytes + sbytes; int copies = std::max<size_t>(1, (size_t)(512 << 20) / per);
-  std::vector<uint8_t*> qs, ss;
+  // the packed layout: per block of 16 columns, units of two groups' 64 bytes of float16 scales
+  // and then their codes (quant_linear.cpp); K / group even here
+  const size_t code_bytes = (size_t)group * 16 * bits / 8, unit = 64 + 2 * code_bytes;
+  const size_t per = bits ? (size_t)N / 16 * (K / group / 2) * unit : (size_t)N * K * 2;
+  int copies = std::max<size_t>(1, (size_t)(512 << 20) / per);
+  std::vector<uint8_t*> qs;
   for (int c = 0; c < copies; c++) {
-    uint8_t* q = (uint8_t*)halloc( (qbytes + 63) / 64 * 64); for (size_t i = 0; i < qbytes; i++) q[i] = (uint8_t)(i * 2654435761u >> 13);
-    uint8_t* s = (uint8_t*)halloc( (sbytes + 64) / 64 * 64); for (size_t i = 0; i < sbytes / 2; i++) ((uint16_t*)s)[i] = 0x2000 + (i & 255);
-    qs.push_back(q); ss.push_back(s);
+    uint8_t* q = (uint8_t*)halloc((per + 63) / 64 * 64);
+    for (size_t i = 0; i < per; i++) q[i] = (uint8_t)(i * 2654435761u >> 13);
+    if (bits)                                     // scales of normal size (random bits could be NaN)
+      for (size_t u = 0; u < per / unit; u++)
+        for (int i = 0; i < 32; i++) ((uint16_t*)(q + u * unit))[i] = 0x2000 + ((u + i) & 255);
+    qs.push_back(q);
   }
   std::vector<uint16_t> x(M * K), y(M * N);
   for (int i = 0; i < M * K; i++) x[i] = 0x3f80 + (i % 97);
   std::vector<double> ts;
   for (int r = 0; r < reps + copies; r++) {
     int c = r % copies; double t = now();
-    if (bits) quant_linear_bf16(x.data(), qs[c], (uint16_t*)ss[c], nullptr, y.data(), M, N, K, bits, group, threads);
+    if (bits) quant_linear_bf16(x.data(), qs[c], nullptr, y.data(), M, N, K, bits, group, threads);
     else blocked_linear_bf16(x.data(), (uint16_t*)qs[c], y.data(), M, N, K, threads);
     if (r >= copies) ts.push_back(now() - t);
   }

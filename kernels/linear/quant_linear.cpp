@@ -16,14 +16,19 @@
 // float steps: each output is, per block of x, an exact integer sum times the weights' and x's
 // scales, added in block order; the same bits as the reference, whichever batch the row is in.
 //
-// Layouts (kernels/linear/quantized.py packs them), in 16-column blocks; 4 consecutive k of one
+// Layout (kernels/linear/quantized.py packs it): one stream of bytes per block of 16 columns,
+// [N/16][block_bytes], in units of two groups: the units' 64 bytes of float16 scales ([2][16]:
+// both groups' 16 columns), then the two groups' codes. The codes have 4 consecutive k of one
 // column in each 32-bit lane, as vpdpbusd reads them:
-//   int8: q [N/16][K/4][16][4] uint8, each value q + 128;
-//   int4: q [N/16][K/8][16][4] uint8, lane byte j holding k = 8 s + j in its low nibble and
-//         k = 8 s + 4 + j in its high one, each q + 8;
-//   scales [N/16][K/group][16] float16;
-//   zeros  [N/16][K/group][16] int8 (asymmetric weights only), each z less the same middle
-//          (128 or 8) as q, so that q - z is the code's own difference.
+//   int8: [group/4][16][4] uint8 a group, each value q + 128;
+//   int4: [group/8][16][4] uint8 a group, lane byte j holding k = 8 s + j in its low nibble and
+//         k = 8 s + 4 + j in its high one, each q + 8.
+// An odd last group makes a unit of its own (its scales' second half unused). Why the scales sit
+// inside the codes' stream: held apart (one stream of scales beside each block's codes) they
+// cost decode about 1.5 times their share of the bytes at 1,024 input columns, short streams
+// that the prefetchers do not follow (benchmarks/RESULTS.md, issue 39).
+//   zeros [N/16][K/group][16] int8 (asymmetric weights only, a tensor of their own), each z less
+//         the same middle (128 or 8) as q, so that q - z is the code's own difference.
 // group and K are multiples of 32; N is a multiple of 16.
 //
 // Sums: vpdpbusd takes one operand unsigned, so the weights are stored with their offset (128 or
@@ -126,7 +131,14 @@ inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) 
   return (const char*)p + PREFETCH_BYTES + (offset + PREFETCH_BYTES >= qstride ? (NR - 1) * qstride : 0);
 }
 
-inline size_t block_bytes(int K, int bits) { return (size_t)K * 16 * bits / 8; }
+constexpr int SCALE_BYTES = 64;        // a unit's scales: two groups x 16 columns of float16
+
+inline size_t group_code_bytes(int group, int bits) { return (size_t)group * 16 * bits / 8; }
+inline size_t unit_bytes(int group, int bits) { return SCALE_BYTES + 2 * group_code_bytes(group, bits); }
+inline size_t block_bytes(int K, int group, int bits) {
+  const int groups = K / group;
+  return (size_t)(groups + 1) / 2 * SCALE_BYTES + groups * group_code_bytes(group, bits);
+}
 
 // The offset the tiles' integer sums carry per unit of x: int4's nibbles hold q + 8, int8's bytes
 // q + 128, which vpdpbusd reads as they are and the tiles without VNNI flip back to signed first.
@@ -209,10 +221,9 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
     }
 }
 
-// One tile: MR rows of quantized x (from row m0) times NR blocks of q (q: the first block's
-// first byte, blocks qstride bytes apart) with their scales (sc, blocks sstride halves apart)
-// and, with ZP, their zero points (zp, laid out as the scales) -> y rows m0.. (row stride N)
-// from column n0.
+// One tile: MR rows of quantized x (from row m0) times NR blocks of W (q: the first block's
+// stream, blocks qstride bytes apart) and, with ZP, their zero points (zp, blocks zstride bytes
+// apart) -> y rows m0.. (row stride N) from column n0.
 //
 // Without VNNI each running sum is made opaque after its add (simd::opaque): GCC otherwise turns
 // the sums of a block's unrolled steps into trees of temporaries (integer adds reassociate),
@@ -220,8 +231,7 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
 // (benchmarks/RESULTS.md, issue 39).
 template <int MR, int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
-                              const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N, int n0,
-                              Store store) {
+                              const int8_t* zp, size_t zstride, int group, Y* y, int N, int n0, Store store) {
   constexpr int LANE_BYTES = 64 / VB;           // bytes of one weight vector: 16 / VB columns x 4 bytes
   const int blocks = K / QK;
   simd::F acc[MR][NR * VB];
@@ -234,13 +244,19 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
       for (int j = 0; j < NR * VB; j++) sums[r][j] = zero_i();
     const int8_t* xb[MR];
     for (int r = 0; r < MR; r++) xb[r] = x.qx + (size_t)(m0 + r) * K + (size_t)b * QK;
+    // where the block's codes and its group's scales lie in each block's stream
+    const int gi = b * QK / group;
+    const size_t unit = (size_t)(gi / 2) * unit_bytes(group, BITS);
+    const size_t codes = unit + SCALE_BYTES + (gi % 2) * group_code_bytes(group, BITS) +
+                         (size_t)(b * QK - gi * group) * 16 * BITS / 8;
+    const size_t scales = unit + (gi % 2) * (SCALE_BYTES / 2);
     if constexpr (BITS == 8) {
       for (int s = 0; s < QK / 4; s++) {           // 4 k a step
         simd::I w[NR * VB];
         for (int j = 0; j < NR; j++) {
-          const uint8_t* p = q + j * qstride + ((size_t)b * QK / 4 + s) * 64;
+          const uint8_t* p = q + j * qstride + codes + s * 64;
           for (int v = 0; v < VB; v++) w[j * VB + v] = simd::load_bits(p + v * LANE_BYTES);
-          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 4 + s) * 64, qstride), PREFETCH_HINT);
+          _mm_prefetch(prefetch_at<NR>(p, codes + s * 64, qstride), PREFETCH_HINT);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four;
@@ -276,13 +292,13 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
       for (int s = 0; s < QK / 8; s++) {           // 8 k a step: low nibbles k 0-3, high k 4-7
         simd::I lo[NR * VB], hi[NR * VB];
         for (int j = 0; j < NR; j++) {
-          const uint8_t* p = q + j * qstride + ((size_t)b * QK / 8 + s) * 64;
+          const uint8_t* p = q + j * qstride + codes + s * 64;
           for (int v = 0; v < VB; v++) {
             const simd::I packed = simd::load_bits(p + v * LANE_BYTES);
             lo[j * VB + v] = and_i(packed, low4);
             hi[j * VB + v] = and_i(srli16(packed, 4), low4);
           }
-          _mm_prefetch(prefetch_at<NR>(p, ((size_t)b * QK / 8 + s) * 64, qstride), PREFETCH_HINT);
+          _mm_prefetch(prefetch_at<NR>(p, codes + s * 64, qstride), PREFETCH_HINT);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four_lo, four_hi;
@@ -304,13 +320,13 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
     }
     // the block's sums, offset (and zero point) taken off, in float times the weights' and x's scales
     constexpr int OFFSET = sum_offset(BITS);
-    const int gi = b * QK / group;
-    for (int j = 0; j < NR; j++)
+    for (int j = 0; j < NR; j++) {
+      // the scales' line is the one in each unit that no step of codes prefetches
+      _mm_prefetch(prefetch_at<NR>(q + j * qstride + unit, unit, qstride), PREFETCH_HINT);
       for (int v = 0; v < VB; v++) {
-        const size_t at = j * sstride + (size_t)gi * 16 + v * simd::W;
-        const simd::F sw = load_f16(sc + at);
+        const simd::F sw = load_f16((const uint16_t*)(q + j * qstride + scales) + v * simd::W);
         simd::I z = zero_i();                      // per column: what each unit of sumx takes off
-        if constexpr (ZP) z = add_i32(load_i8_as_i32(zp + at), set1_i32(OFFSET));
+        if constexpr (ZP) z = add_i32(load_i8_as_i32(zp + j * zstride + (size_t)gi * 16 + v * simd::W), set1_i32(OFFSET));
         for (int r = 0; r < MR; r++) {
           const size_t xi = (size_t)(m0 + r) * blocks + b;
           simd::I s = sums[r][j * VB + v];
@@ -320,6 +336,7 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
           acc[r][j * VB + v] = simd::add(acc[r][j * VB + v], simd::mul_rounded(to_float(s), simd::mul(sw, simd::set1(x.sx[xi]))));
         }
       }
+    }
   }
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < NR * VB; j++) store(y + (size_t)(m0 + r) * N + n0 + j * simd::W, acc[r][j]);
@@ -327,45 +344,43 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
 
 template <int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
-                                   const uint16_t* sc, const int8_t* zp, size_t sstride, int group, Y* y, int N,
-                                   int n0, Store store) {
-  if (rows >= QMR) return quant_tile<QMR, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
+                                   const int8_t* zp, size_t zstride, int group, Y* y, int N, int n0, Store store) {
+  if (rows >= QMR) return quant_tile<QMR, NR, BITS, ZP>(x, m0, K, q, qstride, zp, zstride, group, y, N, n0, store);
   if constexpr (QMR > 2) {
-    if (rows == 3) return quant_tile<3, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
+    if (rows == 3) return quant_tile<3, NR, BITS, ZP>(x, m0, K, q, qstride, zp, zstride, group, y, N, n0, store);
   }
-  if (rows == 2) return quant_tile<2, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
-  quant_tile<1, NR, BITS, ZP>(x, m0, K, q, qstride, sc, zp, sstride, group, y, N, n0, store);
+  if (rows == 2) return quant_tile<2, NR, BITS, ZP>(x, m0, K, q, qstride, zp, zstride, group, y, N, n0, store);
+  quant_tile<1, NR, BITS, ZP>(x, m0, K, q, qstride, zp, zstride, group, y, N, n0, store);
 }
 
 // Every panel of QMR rows against each group of NR blocks: a group's weights (NR x K bytes or
 // half that) stay in cache while the panels pass over them.
 template <int BITS, bool ZP, typename Y, typename Store>
-static void quant_product(const QuantizedX& x, const uint8_t* q, const uint16_t* sc, const int8_t* zp, Y* y, int M,
-                          int N, int K, int group, int threads, Store store) {
+static void quant_product(const QuantizedX& x, const uint8_t* q, const int8_t* zp, Y* y, int M, int N, int K,
+                          int group, int threads, Store store) {
   const int blocks = N / 16, NR = quant_blocks_per_tile(M < QMR ? M : QMR);
   const int groups = (blocks + NR - 1) / NR;
-  const size_t qstride = block_bytes(K, BITS), sstride = (size_t)(K / group) * 16;
+  const size_t qstride = block_bytes(K, group, BITS), zstride = (size_t)(K / group) * 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int g = 0; g < groups; g++) {
     const int b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
     const uint8_t* qg = q + (size_t)b0 * qstride;
-    const uint16_t* sg = sc + (size_t)b0 * sstride;
-    const int8_t* zg = ZP ? zp + (size_t)b0 * sstride : nullptr;
+    const int8_t* zg = ZP ? zp + (size_t)b0 * zstride : nullptr;
     for (int m0 = 0; m0 < M; m0 += QMR) {
       const int rows = M - m0 < QMR ? M - m0 : QMR;
       const int n0 = b0 * 16;
-      const size_t ss = sstride;
-      if (nb == 4) quant_tile_rows<4, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
-      else if (nb == 3) quant_tile_rows<3, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
-      else if (nb == 2) quant_tile_rows<2, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
-      else quant_tile_rows<1, BITS, ZP>(rows, x, m0, K, qg, qstride, sg, zg, ss, group, y, N, n0, store);
+      const size_t zs = zstride;
+      if (nb == 4) quant_tile_rows<4, BITS, ZP>(rows, x, m0, K, qg, qstride, zg, zs, group, y, N, n0, store);
+      else if (nb == 3) quant_tile_rows<3, BITS, ZP>(rows, x, m0, K, qg, qstride, zg, zs, group, y, N, n0, store);
+      else if (nb == 2) quant_tile_rows<2, BITS, ZP>(rows, x, m0, K, qg, qstride, zg, zs, group, y, N, n0, store);
+      else quant_tile_rows<1, BITS, ZP>(rows, x, m0, K, qg, qstride, zg, zs, group, y, N, n0, store);
     }
   }
 }
 
 template <typename XY>
-static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, const int8_t* zp, XY* y, int M, int N,
-                        int K, int bits, int group, int threads) {
+static int quant_linear(const XY* x, const uint8_t* q, const int8_t* zp, XY* y, int M, int N, int K, int bits,
+                        int group, int threads) {
   if ((bits != 8 && bits != 4) || group % QK || K % group || N % 16) return 1;
   const int blocks = K / QK;
   // x's int8 values, then its block scales and sums, in one scratch buffer
@@ -382,22 +397,22 @@ static int quant_linear(const XY* x, const uint8_t* q, const uint16_t* sc, const
     else simd::store_bf16((uint16_t*)p, v);
   };
   // the symmetric forms stay as they were: zero points are a form of their own, not a zero vector
-  if (bits == 8 && zp) quant_product<8, true>(xq, q, sc, zp, y, M, N, K, group, threads, store);
-  else if (bits == 8) quant_product<8, false>(xq, q, sc, zp, y, M, N, K, group, threads, store);
-  else if (zp) quant_product<4, true>(xq, q, sc, zp, y, M, N, K, group, threads, store);
-  else quant_product<4, false>(xq, q, sc, zp, y, M, N, K, group, threads, store);
+  if (bits == 8 && zp) quant_product<8, true>(xq, q, zp, y, M, N, K, group, threads, store);
+  else if (bits == 8) quant_product<8, false>(xq, q, zp, y, M, N, K, group, threads, store);
+  else if (zp) quant_product<4, true>(xq, q, zp, y, M, N, K, group, threads, store);
+  else quant_product<4, false>(xq, q, zp, y, M, N, K, group, threads, store);
   return 0;
 }
 
 }  // namespace
 
 extern "C" {
-int quant_linear_f32(const float* x, const uint8_t* q, const uint16_t* scales, const int8_t* zeros, float* y, int M,
-                     int N, int K, int bits, int group, int threads) {
-  return quant_linear(x, q, scales, zeros, y, M, N, K, bits, group, threads);
+int quant_linear_f32(const float* x, const uint8_t* q, const int8_t* zeros, float* y, int M, int N, int K, int bits,
+                     int group, int threads) {
+  return quant_linear(x, q, zeros, y, M, N, K, bits, group, threads);
 }
-int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* scales, const int8_t* zeros, uint16_t* y,
-                      int M, int N, int K, int bits, int group, int threads) {
-  return quant_linear(x, q, scales, zeros, y, M, N, K, bits, group, threads);
+int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const int8_t* zeros, uint16_t* y, int M, int N, int K,
+                      int bits, int group, int threads) {
+  return quant_linear(x, q, zeros, y, M, N, K, bits, group, threads);
 }
 }

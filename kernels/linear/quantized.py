@@ -15,12 +15,16 @@ float (benchmarks/RESULTS.md, issue 39). Every scale is rounded to float16 first
 from the rounded scale. The search runs natively where the kernels load (quantize_int4.cpp),
 else in torch (`_int4_search_torch`, the same steps).
 
-Packed layout (`pack`, what the kernel reads; N padded to a multiple of 16 with zero rows), four
-consecutive k of a column in each 32-bit lane (what vpdpbusd reads):
-    q       int8: uint8 [N/16, K/4, 16, 4], each q + 128;
-            int4: uint8 [N/16, K/8, 16, 4], byte j of step s holding k = 8 s + j in its low
-            nibble and 8 s + 4 + j in its high one, each q + 8
-    scales  float16 [N/16, K / group, 16]
+Packed layout (`pack`, what the kernel reads; N padded to a multiple of 16 with zero rows): one
+stream of bytes per block of 16 output rows, uint8 [N/16, block_bytes], in units of two groups:
+the unit's float16 scales [2, 16] (64 bytes), then each group's codes, four consecutive k of a
+row in each 32-bit lane (what vpdpbusd reads):
+    int8: [group/4, 16, 4] a group, each q + 128;
+    int4: [group/8, 16, 4] a group, byte j of step s holding k = 8 s + j in its low nibble and
+          8 s + 4 + j in its high one, each q + 8.
+An odd last group is a unit of its own (the second half of its scales unused). The scales sit in
+the codes' stream because decode reads it from memory once per token, and a separate stream of
+scales per block cost more than its share of the bytes (quant_linear.cpp says why).
     zeros   int8 [N/16, K / group, 16] (asymmetric weights only; `pack_zeros`)
 
 The native kernel rounds x to int8 in blocks of 32 (llama.cpp's Q8_0, as its quantized products
@@ -150,8 +154,54 @@ def pack_zeros(qw: QuantizedWeight) -> torch.Tensor | None:
     return None if qw.zeros is None else _by_column_block(qw.zeros.to(torch.int8))
 
 
-def pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout (the module docstring): (q uint8, scales float16), N padded to 16;
+SCALE_BYTES = 64            # a unit's scales: two groups x 16 rows of float16
+
+
+def _code_bytes(bits: int, group_size: int) -> int:
+    """Bytes of one group's codes in a block of 16 rows."""
+    return group_size * BLOCK * bits // 8
+
+
+def block_bytes(in_features: int, bits: int, group_size: int) -> int:
+    """Bytes of one block of 16 rows in the packed layout."""
+    groups = in_features // group_size
+    return (groups + 1) // 2 * SCALE_BYTES + groups * _code_bytes(bits, group_size)
+
+
+def _join(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """codes uint8 [N/16, K * bits / 32, 16, 4] and scales float16 [N/16, K / group, 16] -> the
+    packed layout. An odd last group is packed as if a zero group followed it, whose codes (the
+    stream's last bytes) are then cut off."""
+    blocks, groups = scales.shape[:2]
+    code_bytes = _code_bytes(bits, group_size)
+    codes = codes.reshape(blocks, groups, code_bytes)
+    if groups % 2:
+        codes, scales = F.pad(codes, (0, 0, 0, 1)), F.pad(scales, (0, 0, 0, 1))
+    units = torch.cat([scales.reshape(blocks, -1, 2 * BLOCK).view(torch.uint8),
+                       codes.reshape(blocks, -1, 2 * code_bytes)], dim=-1)
+    packed = units.reshape(blocks, -1)
+    return (packed[:, :-code_bytes] if groups % 2 else packed).contiguous()
+
+
+def _split(packed: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed layout -> (codes uint8 [N/16, K * bits / 32, 16, 4], scales float16 [N/16, K / group, 16])."""
+    blocks, nbytes = packed.shape
+    code_bytes = _code_bytes(bits, group_size)
+    unit = SCALE_BYTES + 2 * code_bytes
+    full, rest = divmod(nbytes, unit)
+    if rest not in (0, SCALE_BYTES + code_bytes):
+        raise ValueError(f"{nbytes} bytes a block are no whole number of int{bits} groups of {group_size}")
+    groups = 2 * full + (rest != 0)
+    if rest:
+        packed = F.pad(packed, (0, code_bytes))
+    units = packed.reshape(blocks, -1, unit)
+    scales = units[..., :SCALE_BYTES].contiguous().view(torch.float16).reshape(blocks, -1, BLOCK)[:, :groups]
+    codes = units[..., SCALE_BYTES:].reshape(blocks, -1, code_bytes)[:, :groups]
+    return codes.reshape(blocks, groups * code_bytes // (BLOCK * 4), BLOCK, 4), scales
+
+
+def pack(qw: QuantizedWeight) -> torch.Tensor:
+    """The kernel's layout (the module docstring), uint8 [N/16, block_bytes], N padded to 16;
     `pack_zeros` lays out the zero points of asymmetric weights."""
     values = qw.values
     pad = -values.shape[0] % BLOCK
@@ -166,7 +216,7 @@ def pack(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     else:                                              # k = 8 s + 4 h + j -> [N/16, K/8, 16, h, j]
         nibbles = shifted.reshape(n // BLOCK, BLOCK, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
         q = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
-    return q.to(torch.uint8).contiguous(), _by_column_block(qw.scales)
+    return _join(q.to(torch.uint8), _by_column_block(qw.scales), qw.bits, qw.group_size)
 
 
 def _rows_of(blocked: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -181,42 +231,55 @@ def _rows_of(blocked: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 PACK_ROWS = 2048
 
 
-def quantize_packed(weight: torch.Tensor, bits: int, group_size: int,
-                    rows_at_once: int = PACK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_packed(weight: torch.Tensor, bits: int, group_size: int, rows_at_once: int = PACK_ROWS) -> torch.Tensor:
     """pack(quantize(weight)), the same bits, PACK_ROWS rows at a time written into the packed
-    tensors: loading then holds the float weight, its packed form and one slice's transients.
+    tensor: loading then holds the float weight, its packed form and one slice's transients.
     Whole, the float32 copies, int8 values and int16 nibbles of a 248k-row lm_head took about
     four times its bf16 size at once."""
     n, k = weight.shape
     check_scheme(bits, group_size, k)
     if rows_at_once % BLOCK:
         raise ValueError(f"rows_at_once {rows_at_once} is not a multiple of {BLOCK}")
-    blocks = -(-n // BLOCK)
-    q = torch.empty(blocks, k * bits // 32, BLOCK, 4, dtype=torch.uint8)
-    scales = torch.empty(blocks, k // group_size, BLOCK, dtype=torch.float16)
+    packed = torch.empty(-(-n // BLOCK), block_bytes(k, bits, group_size), dtype=torch.uint8)
     for start in range(0, n, rows_at_once):
-        part_q, part_scales = pack(quantize(weight[start:start + rows_at_once], bits, group_size))
-        first = start // BLOCK
-        q[first:first + part_q.shape[0]] = part_q
-        scales[first:first + part_q.shape[0]] = part_scales
-    return q, scales
+        part = pack(quantize(weight[start:start + rows_at_once], bits, group_size))
+        packed[start // BLOCK:start // BLOCK + part.shape[0]] = part
+    return packed
 
 
-def unpack(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-           rows: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 dequantized weight [N_padded, K] from the packed layout (zeros: the packed
-    zero points of asymmetric weights), or only its `rows` (int64 ids: a tied embedding reading
-    lm_head's table)."""
-    q, scales = _rows_of(q, rows), _rows_of(scales, rows)                # [n, steps, 4], [n, G]
+def _integers(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [n, steps, 4] (rows apart) -> the values int16 [n, K]."""
     if bits == 8:
-        values = q.reshape(q.shape[0], -1).to(torch.int16) - 128
+        return codes.reshape(codes.shape[0], -1).to(torch.int16) - 128
+    return torch.stack([codes & 15, codes >> 4], dim=-2).reshape(codes.shape[0], -1).to(torch.int16) - 8
+
+
+def unpack(packed: torch.Tensor, bits: int, group_size: int, rows: torch.Tensor | None = None,
+           zeros: torch.Tensor | None = None, scaled: bool = True) -> torch.Tensor:
+    """The float32 dequantized weight [N_padded, K] from the packed layout (zeros: the packed
+    zero points of asymmetric weights), or only its `rows` (1-d int64 ids: a tied embedding
+    reading lm_head's table: only their blocks are split). scaled=False: the integers alone
+    (less any zero points), in float32."""
+    if rows is None:
+        codes, scales = _split(packed, bits, group_size)
+        codes, scales = _rows_of(codes, None), _rows_of(scales, None)          # [n, steps, 4], [n, G]
     else:
-        values = torch.stack([q & 15, q >> 4], dim=-2).reshape(q.shape[0], -1).to(torch.int16) - 8
+        codes, scales = _split(packed[rows // BLOCK], bits, group_size)
+        ids, column = torch.arange(rows.shape[0]), rows % BLOCK
+        codes, scales = codes[ids, :, column], scales[ids, :, column]
+    values = _integers(codes, bits)
     n, k = values.shape
     groups = values.float().reshape(n, k // group_size, group_size)
     if zeros is not None:
         groups = groups - _rows_of(zeros, rows).float()[..., None]
+    if not scaled:
+        return groups.reshape(n, k)
     return (groups * scales.float()[..., None]).reshape(n, k)
+
+
+def packed_scales(packed: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """The scales of a packed weight, float16 [N_padded, K / group]."""
+    return _rows_of(_split(packed, bits, group_size)[1], None)
 
 
 ACTIVATION_BLOCK = 32       # k per scale of x where the product quantizes it (quant_linear.cpp)
@@ -233,19 +296,18 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks * inverse[..., None]), amax / 127.0
 
 
-def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
-                             group_size: int, zeros: torch.Tensor | None, rows_at_once: int = 16) -> torch.Tensor:
+def _int8_activation_product(x: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int,
+                             zeros: torch.Tensor | None, rows_at_once: int = 16) -> torch.Tensor:
     """The native kernel's steps in torch: per block of 32 k, the exact integer sum of x's int8
     values times W's (less its zero point: the kernel's sum less zero x the block's sum of x,
     the same integer), times (W's group scale x x's block scale), added in block order in
     float32, each product and sum rounded on its own: the kernel's bits."""
     x = x.reshape(-1, x.shape[-1])
-    ones = torch.ones_like(scales)
-    values = unpack(q, ones, bits, group_size, zeros=zeros).double()            # W's integers [N, K]
+    values = unpack(packed, bits, group_size, zeros=zeros, scaled=False).double()   # W's integers [N, K]
     n, k = values.shape
     blocks = k // ACTIVATION_BLOCK
     w_blocks = values.reshape(n, blocks, ACTIVATION_BLOCK)
-    w_scales = scales.transpose(1, 2).reshape(n, -1).float()                    # [N, K / group]
+    w_scales = packed_scales(packed, bits, group_size).float()                      # [N, K / group]
     per_block = w_scales.repeat_interleave(group_size // ACTIVATION_BLOCK, dim=1)  # [N, blocks]
     out = []
     for rows in x.split(rows_at_once):
@@ -258,23 +320,22 @@ def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Ten
     return torch.cat(out)
 
 
-def quant_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int,
-                           group_size: int, int8_activations: bool = False,
-                           zeros: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear_reference(x: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int,
+                           int8_activations: bool = False, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N_padded] in torch ops, x's dtype out: float32 x and float32
     accumulation, or (int8_activations) the native kernel's own steps, bit for bit. zeros: the
     packed zero points of asymmetric weights."""
     if int8_activations:
-        y = _int8_activation_product(x, q, scales, bits, group_size, zeros)
+        y = _int8_activation_product(x, packed, bits, group_size, zeros)
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-    return (x.float() @ unpack(q, scales, bits, group_size, zeros=zeros).t()).to(x.dtype)
+    return (x.float() @ unpack(packed, bits, group_size, zeros=zeros).t()).to(x.dtype)
 
 
-def quant_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int,
                  zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The same with the native kernel (x quantized to int8 in blocks of 32: the process's level
     must run the kernels; group_size a multiple of 32)."""
-    return torch.ops.hybrid_engine_cpu.linear_quant.default(x, q, scales, zeros, bits, group_size)
+    return torch.ops.hybrid_engine_cpu.linear_quant.default(x, packed, zeros, bits, group_size)
 
 
 def native_takes(group_size: int) -> bool:
@@ -419,11 +480,11 @@ class QuantizedLinearMethod(LinearMethod):
             return
         float_rows = self._float_rows(layer)
         quantized_rows = weight.shape[0] - float_rows
-        q, scales = quantize_packed(weight[:quantized_rows], self.bits, self.group_size)
+        packed = quantize_packed(weight[:quantized_rows], self.bits, self.group_size)
         row_table = None
         if getattr(layer, "serves_rows", False) and self.rows_bits not in (None, self.bits) and not float_rows:
             row_table = quantize_packed(weight, self.rows_bits, self.group_size)
-        self._hold(layer, q, scales, None, quantized_rows, None, weight[quantized_rows:] if float_rows else None,
+        self._hold(layer, packed, None, quantized_rows, None, weight[quantized_rows:] if float_rows else None,
                    weight.dtype)
         layer.row_table = row_table
 
@@ -438,14 +499,13 @@ class QuantizedLinearMethod(LinearMethod):
             # the symmetric int8 forms without VNNI multiply |x| by the weight with x's sign,
             # and -(-128) does not fit a byte: the zero-point forms take -128 (zero points 0)
             qw = qw._replace(zeros=torch.zeros_like(qw.scales, dtype=torch.int8))
-        self._hold(layer, *pack(qw), pack_zeros(qw), qw.values.shape[0], qw.input_order, float_tail, dtype)
+        self._hold(layer, pack(qw), pack_zeros(qw), qw.values.shape[0], qw.input_order, float_tail, dtype)
 
-    def _hold(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-              rows: int, input_order: torch.Tensor | None, float_tail: torch.Tensor | None,
-              dtype: torch.dtype) -> None:
+    def _hold(self, layer: nn.Module, packed: torch.Tensor, zeros: torch.Tensor | None, rows: int,
+              input_order: torch.Tensor | None, float_tail: torch.Tensor | None, dtype: torch.dtype) -> None:
         layer.quantized_rows = rows
-        layer.qweight, layer.qscales, layer.qzeros = q, scales, zeros
-        layer.row_table = None          # (q, scales) at rows_bits, where process_weights_after_loading keeps one
+        layer.qweight, layer.qzeros = packed, zeros
+        layer.row_table = None          # packed at rows_bits, where process_weights_after_loading keeps one
         layer.input_order = input_order
         layer.float_tail = None if float_tail is None else float_tail.detach().to(dtype).clone()
         layer.tail_product = None if float_tail is None else self._tail_product(layer.float_tail)
@@ -456,10 +516,10 @@ class QuantizedLinearMethod(LinearMethod):
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
         if self.native and x.device.type == "cpu":
-            y = quant_linear(x, layer.qweight, layer.qscales, self.bits, self.group_size, layer.qzeros)
+            y = quant_linear(x, layer.qweight, self.bits, self.group_size, layer.qzeros)
         else:
-            y = quant_linear_reference(x, layer.qweight, layer.qscales, self.bits, self.group_size,
-                                       self.int8_activations, layer.qzeros)
+            y = quant_linear_reference(x, layer.qweight, self.bits, self.group_size, self.int8_activations,
+                                       layer.qzeros)
         return y if y.shape[-1] == layer.quantized_rows else y[..., :layer.quantized_rows]
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -475,7 +535,7 @@ class QuantizedLinearMethod(LinearMethod):
                 and layer.qweight.device.type == "cpu" and layer.qweight.shape[0] * BLOCK == layer.quantized_rows):
             op, bits, group = torch.ops.hybrid_engine_cpu.linear_quant.default, self.bits, self.group_size
             # the weights read at each call: load_quantized may replace them after this
-            return lambda x: op(x, layer.qweight, layer.qscales, layer.qzeros, bits, group)
+            return lambda x: op(x, layer.qweight, layer.qzeros, bits, group)
         return super().product(layer)
 
     def _tail_product(self, tail: torch.Tensor):
@@ -495,9 +555,8 @@ class QuantizedLinearMethod(LinearMethod):
         if layer.float_tail is not None:
             raise NotImplementedError("rows of a layer with float shards")
         if layer.row_table is not None:
-            q, scales = layer.row_table
-            return unpack(q, scales, self.rows_bits, self.group_size, rows=ids).to(layer.weight_dtype)
-        rows = unpack(layer.qweight, layer.qscales, self.bits, self.group_size, rows=ids, zeros=layer.qzeros)
+            return unpack(layer.row_table, self.rows_bits, self.group_size, rows=ids).to(layer.weight_dtype)
+        rows = unpack(layer.qweight, self.bits, self.group_size, rows=ids, zeros=layer.qzeros)
         if layer.input_order is not None:
             rows = torch.empty_like(rows).index_copy_(-1, layer.input_order, rows)
         return rows.to(layer.weight_dtype)

@@ -22,14 +22,14 @@ int blocked_mlp_f32(const float* x, const float* wgu, const float* wd, float* y,
                     int threads);
 int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd, uint16_t* y, int M, int H, int I,
                      int N, int threads);
-// x [M, K] @ W^T for a quantized W (quant_linear.cpp has the layouts): bits 8 or 4, group
-// dividing K (even for int4), N a multiple of 16; zeros the zero points of asymmetric weights
-// (NULL: symmetric); x and y float32 or bf16 bits. 1 where the shapes do not fit (nothing
-// written then).
-int quant_linear_f32(const float* x, const uint8_t* q, const uint16_t* scales, const int8_t* zeros, float* y, int M,
-                     int N, int K, int bits, int group, int threads);
-int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const uint16_t* scales, const int8_t* zeros, uint16_t* y,
-                      int M, int N, int K, int bits, int group, int threads);
+// x [M, K] @ W^T for a quantized W, its codes and scales packed in one stream per block of 16
+// columns (quant_linear.cpp has the layout): bits 8 or 4, group a multiple of 32 dividing K, N a
+// multiple of 16; zeros the zero points of asymmetric weights (NULL: symmetric); x and y float32
+// or bf16 bits. 1 where the shapes do not fit (nothing written then).
+int quant_linear_f32(const float* x, const uint8_t* q, const int8_t* zeros, float* y, int M, int N, int K, int bits,
+                     int group, int threads);
+int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const int8_t* zeros, uint16_t* y, int M, int N, int K,
+                      int bits, int group, int threads);
 // int4 codes and float16 scales of `groups` groups of `group` consecutive float32 values
 // (quantize_int4.cpp: the scale of least squared error among 21 around max / -8): 0, or 1 where
 // group is not a multiple of 8.

@@ -111,28 +111,27 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
   return y;
 }
 
-// x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, K * bits / 32, 16, 4] (four k of
-// a column per lane), scales float16 [N/16, K / group, 16], and for asymmetric weights zeros
-// int8 laid out as the scales (kernels/linear/quantized.py).
-Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, const std::optional<Tensor>& zeros,
-                       int64_t bits, int64_t group) {
+// x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, block bytes], each block's
+// codes and float16 scales in one stream, and for asymmetric weights zeros int8 [N/16, K / group,
+// 16] (kernels/linear/quantized.py, quant_linear.cpp).
+Tensor quant_linear_op(const Tensor& x, const Tensor& q, const std::optional<Tensor>& zeros, int64_t bits,
+                       int64_t group) {
   const int64_t k = x.dim() ? x.size(-1) : 0;
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
   TORCH_CHECK_VALUE(group >= 32 && group % 32 == 0 && k % group == 0, "linear_quant: group ", group,
                     " is not a multiple of 32 dividing x's ", k, " columns");
+  const int64_t groups = k / group, code_bytes = group * 16 * bits / 8;
+  const int64_t block_bytes = (groups + 1) / 2 * 64 + groups * code_bytes;
   const bool fits = x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-                    q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 16 && q.size(3) == 4 &&
-                    q.size(1) == k * bits / 32 &&
-                    q.is_contiguous() && scales.scalar_type() == at::kHalf && scales.dim() == 3 &&
-                    scales.size(0) == q.size(0) && scales.size(1) == k / group && scales.size(2) == 16 &&
-                    scales.is_contiguous();
+                    q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == block_bytes && q.is_contiguous();
   TORCH_CHECK_VALUE(fits, "linear_quant: x ", shape(x), " ", dtype_name(x), " does not fit int", bits,
-                    " weights ", shape(q), " ", dtype_name(q), " with scales ", shape(scales), " ", dtype_name(scales),
-                    " in groups of ", group);
-  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->sizes() == scales.sizes() &&
+                    " weights ", shape(q), " ", dtype_name(q), " in groups of ", group, " (", block_bytes,
+                    " bytes a block of 16 columns)");
+  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->dim() == 3 &&
+                               zeros->size(0) == q.size(0) && zeros->size(1) == groups && zeros->size(2) == 16 &&
                                zeros->is_contiguous()),
                     "linear_quant: zeros ", zeros ? shape(*zeros) : "", " ", zeros ? dtype_name(*zeros) : "",
-                    " are not int8 laid out as the scales ", shape(scales));
+                    " are not int8 [", q.size(0), ", ", groups, ", 16]");
   const int64_t n = q.size(0) * 16;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
@@ -141,13 +140,12 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const Tensor& scales, c
   if (m == 0) return y;
   const Tensor xc = dense(x);
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
-  const auto* sp = static_cast<const uint16_t*>(scales.const_data_ptr());
   const auto* zp = zeros ? static_cast<const int8_t*>(zeros->const_data_ptr()) : nullptr;
   if (x.scalar_type() == at::kFloat)
-    quant_linear_f32(xc.const_data_ptr<float>(), qp, sp, zp, y.mutable_data_ptr<float>(), m, n, k, bits, group,
+    quant_linear_f32(xc.const_data_ptr<float>(), qp, zp, y.mutable_data_ptr<float>(), m, n, k, bits, group,
                      threads());
   else
-    quant_linear_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()), qp, sp, zp,
+    quant_linear_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()), qp, zp,
                       static_cast<uint16_t*>(y.mutable_data_ptr()), m, n, k, bits, group, threads());
   return y;
 }
@@ -661,7 +659,7 @@ void define_ops(torch::Library& m) {
   // schemas of the ops they call, and would serve graphs compiled for the old schema.
   m.def("linear_blocked(Tensor x, Tensor w_blocked, bool widen) -> Tensor");
   m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? zeros, int bits, int group) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor q, Tensor? zeros, int bits, int group) -> Tensor");
   m.def("quantize_int4(Tensor w, int group) -> (Tensor, Tensor)");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "

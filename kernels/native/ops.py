@@ -29,7 +29,7 @@ from .build import library_name, load_ops
 BLOCK = 16          # output columns per block of a blocked weight (kernels/linear/blocked.py)
 FAKES = {
     "linear_blocked": lambda x, w_blocked, widen: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK),
-    "linear_quant": lambda x, q, scales, zeros, bits, group: x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK),
+    "linear_quant": lambda x, q, zeros, bits, group: x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK),
     "quantize_int4": lambda w, group: (w.new_empty(w.shape, dtype=torch.int8),
                                        w.new_empty(w.shape[0], w.shape[1] // group, dtype=torch.float16)),
     "blocked_rows": lambda w_blocked, ids, k: w_blocked.new_empty(ids.shape[0], k),
