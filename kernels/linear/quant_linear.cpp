@@ -133,11 +133,9 @@ inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) 
 
 constexpr int SCALE_BYTES = 64;        // a unit's scales: two groups x 16 columns of float16
 
-inline size_t group_code_bytes(int group, int bits) { return (size_t)group * 16 * bits / 8; }
-inline size_t unit_bytes(int group, int bits) { return SCALE_BYTES + 2 * group_code_bytes(group, bits); }
 inline size_t block_bytes(int K, int group, int bits) {
   const int groups = K / group;
-  return (size_t)(groups + 1) / 2 * SCALE_BYTES + groups * group_code_bytes(group, bits);
+  return (size_t)(groups + 1) / 2 * SCALE_BYTES + (size_t)groups * group * 16 * bits / 8;
 }
 
 // The offset the tiles' integer sums carry per unit of x: int4's nibbles hold q + 8, int8's bytes
@@ -238,17 +236,17 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < NR * VB; j++) acc[r][j] = simd::zero();
   const simd::I low4 = set1_i32(0x0F0F0F0F), flip = set1_i32((int32_t)0x80808080);
+  // where the block's codes, its unit and its group's scales lie in each block's stream, advanced
+  // block by block (a division per block cost a prefill at AVX2 a quarter of its time)
+  const int blocks_per_group = group / QK;
+  size_t unit = 0, codes = SCALE_BYTES;
+  int gi = 0, in_group = 0;
   for (int b = 0; b < blocks; b++) {
     simd::I sums[MR][NR * VB];
     for (int r = 0; r < MR; r++)
       for (int j = 0; j < NR * VB; j++) sums[r][j] = zero_i();
     const int8_t* xb[MR];
     for (int r = 0; r < MR; r++) xb[r] = x.qx + (size_t)(m0 + r) * K + (size_t)b * QK;
-    // where the block's codes and its group's scales lie in each block's stream
-    const int gi = b * QK / group;
-    const size_t unit = (size_t)(gi / 2) * unit_bytes(group, BITS);
-    const size_t codes = unit + SCALE_BYTES + (gi % 2) * group_code_bytes(group, BITS) +
-                         (size_t)(b * QK - gi * group) * 16 * BITS / 8;
     const size_t scales = unit + (gi % 2) * (SCALE_BYTES / 2);
     if constexpr (BITS == 8) {
       for (int s = 0; s < QK / 4; s++) {           // 4 k a step
@@ -335,6 +333,14 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
           // product and sum each rounded on their own (no FMA): the torch reference's steps
           acc[r][j * VB + v] = simd::add(acc[r][j * VB + v], simd::mul_rounded(to_float(s), simd::mul(sw, simd::set1(x.sx[xi]))));
         }
+      }
+    }
+    codes += (size_t)QK * 16 * BITS / 8;
+    if (++in_group == blocks_per_group) {          // the next group; every second one a new unit
+      in_group = 0;
+      if (++gi % 2 == 0) {
+        unit = codes;
+        codes += SCALE_BYTES;
       }
     }
   }
