@@ -80,7 +80,8 @@ def measure(model: str | None, dtype: str, k: int, quantization: str | None = No
     quantized = [getattr(m, name) for m in engine.model.modules()
                  for name in ("qweight", "qzeros", "float_tail")
                  if isinstance(getattr(m, name, None), torch.Tensor)]
-    quantized += [m.row_table for m in engine.model.modules() if getattr(m, "row_table", None) is not None]  # a tied lm_head's lookup rows
+    # a tied lm_head's lookup rows
+    quantized += [m.row_table for m in engine.model.modules() if getattr(m, "row_table", None) is not None]
     quantized_bytes = sum(t.numel() * t.element_size() for t in quantized)
     status = _status_kib("VmRSS", "VmHWM", "RssAnon", "RssFile")
     return {"k": k, "rss_mib": status["VmRSS"] / 1024, "anon_mib": status["RssAnon"] / 1024,

@@ -24,9 +24,8 @@
 //   int4: [group/8][16][4] uint8 a group, lane byte j holding k = 8 s + j in its low nibble and
 //         k = 8 s + 4 + j in its high one, each q + 8.
 // An odd last group makes a unit of its own (its scales' second half unused). Why the scales sit
-// inside the codes' stream: held apart (one stream of scales beside each block's codes) they
-// cost decode about 1.5 times their share of the bytes at 1,024 input columns, short streams
-// that the prefetchers do not follow (benchmarks/RESULTS.md, issue 39).
+// inside the codes' stream: held apart (a short stream of scales beside each block's codes) they
+// cost an AVX-512 decode more than their share of the bytes (benchmarks/RESULTS.md, issue 39).
 //   zeros [N/16][K/group][16] int8 (asymmetric weights only, a tensor of their own), each z less
 //         the same middle (128 or 8) as q, so that q - z is the code's own difference.
 // group and K are multiples of 32; N is a multiple of 16.
@@ -324,7 +323,8 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
       for (int v = 0; v < VB; v++) {
         const simd::F sw = load_f16((const uint16_t*)(q + j * qstride + scales) + v * simd::W);
         simd::I z = zero_i();                      // per column: what each unit of sumx takes off
-        if constexpr (ZP) z = add_i32(load_i8_as_i32(zp + j * zstride + (size_t)gi * 16 + v * simd::W), set1_i32(OFFSET));
+        if constexpr (ZP)
+          z = add_i32(load_i8_as_i32(zp + j * zstride + (size_t)gi * 16 + v * simd::W), set1_i32(OFFSET));
         for (int r = 0; r < MR; r++) {
           const size_t xi = (size_t)(m0 + r) * blocks + b;
           simd::I s = sums[r][j * VB + v];
