@@ -8,10 +8,13 @@ script's subsets of the default model): more than the 0.02 it is meant to resolv
 
     python benchmarks/acceptance_gap.py [--prompts FILE.jsonl | --make-prompts N] [--subsets 8]
         [--model DIR] [--quantization int8 int4] [--against DIR ...] [--max-k 4] [--max-tokens 128]
-        [--json OUT]
+        [--float-from REPORT.json] [--json OUT]
 
 --against DIR: also checkpoints stored quantized (`hybrid-engine quantize`'s output, a GGUF
 file) or other copies of --model's weights, each run as stored and compared with --model.
+
+--float-from REPORT.json: the float run's rates from an earlier report of the same prompts,
+subsets, k and tokens (greedy and deterministic: a rerun gives the same digits), not run again.
 
 --make-prompts N: N prompts of 300 characters from the default model's held-out stdlib files
 (examples/train_default_model.py: the split depends on the Python version), each starting at
@@ -79,6 +82,23 @@ def run_bench(prompts: Path, out: Path, args, model: str | None, quantization: s
     return per_position(json.loads(out.read_text()))
 
 
+def earlier_float_rates(path: str, lines: list[str], args) -> list:
+    """The float run's rates per subset from an earlier report, which must have run these prompts
+    in the same subsets, k and tokens (SystemExit naming what differs)."""
+    earlier = json.loads(Path(path).read_text())
+    source = earlier["prompts"]
+    same_prompts = (source == (args.prompts or f"made: {len(lines)}") if not source.startswith("made:")
+                    else args.make_prompts == earlier["num_prompts"])
+    checks = {"prompts": same_prompts, "num_prompts": earlier["num_prompts"] == len(lines),
+              "subsets": earlier["subsets"] == args.subsets, "max_tokens": earlier["max_tokens"] == args.max_tokens,
+              "model": earlier["model"] == (args.model or "default"),
+              "k": sorted(map(int, earlier["rates"]["float"][0])) == list(range(1, args.max_k + 1))}
+    differ = [name for name, same in checks.items() if not same]
+    if differ:
+        raise SystemExit(f"--float-from {path}: its {', '.join(differ)} differ from this run's")
+    return earlier["rates"]["float"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = ap.add_mutually_exclusive_group(required=True)
@@ -91,6 +111,7 @@ def main() -> None:
     ap.add_argument("--max-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--float-from", metavar="REPORT.json")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.json:
@@ -107,11 +128,15 @@ def main() -> None:
     runs = {"float": (args.model, None), **{q: (args.model, q) for q in args.quantization},
             **{str(m): (str(m), None) for m in args.against}}
     rates: dict[str, list] = {}
+    if args.float_from:
+        rates["float"] = earlier_float_rates(args.float_from, lines, args)
     with tempfile.TemporaryDirectory(prefix="acceptance-gap-") as work:
         for s in range(args.subsets):
             subset = Path(work) / f"subset{s}.jsonl"
             subset.write_text("\n".join(lines[s::args.subsets]) + "\n")
             for i, (name, (model, q)) in enumerate(runs.items()):
+                if name in rates and len(rates[name]) == args.subsets:
+                    continue
                 rates.setdefault(name, []).append(run_bench(subset, Path(work) / f"run{i}-{s}.json", args, model, q))
                 print(f"subset {s + 1}/{args.subsets} {name} done", file=sys.stderr, flush=True)
     report = {"prompts": args.prompts or f"made: {len(lines)}", "num_prompts": len(lines), "subsets": args.subsets,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, QuantizedLinearMethod, QuantizedWeight,
+from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, RESCORED_ROWS, QuantizedLinearMethod, QuantizedWeight,
                                                     _int4_search_torch, block_bytes, dequantize, pack, pack_zeros,
                                                     packed_scales, quant_linear, quant_linear_reference, quantize,
                                                     quantize_packed, unpack)
@@ -354,6 +354,35 @@ def test_rows_come_from_a_table_of_their_own_bits_where_the_layer_serves_lookups
     ids = torch.tensor([0, 39, 7])
     x = torch.randn(3, 64)
     q = pack(quantize(w, 4, 32))
-    assert torch.equal(layer(x), quant_linear_reference(x, q, 4, 32)[:, :40])   # the product: int4
+    product = quant_linear_reference(x, q, 4, 32)[:, :40]                       # the product: int4
+    if serves_rows:           # and its 8 largest outputs a row scored again from the int8 rows
+        top = product.topk(RESCORED_ROWS, dim=-1).indices
+        int8_rows = dequantize(quantize(w, 8, 32))
+        want = product.scatter(-1, top, (x[:, None, :] * int8_rows[top]).sum(-1))
+    else:
+        want = product
+    assert torch.equal(layer(x), want)
     assert (layer.row_table is not None) == serves_rows
     assert torch.equal(layer.rows(ids), dequantize(quantize(w, 8 if serves_rows else 4, 32))[ids])
+
+
+@needs_native
+def test_rescored_outputs_are_the_same_bits_in_any_batch():
+    """MTP's lossless verify needs each row's logits alone and in a batch to be equal: the
+    rescoring (a tied lm_head's int4 product, its top outputs scored again from the int8 rows)
+    keeps that, and each rescored output is the int8 row's dot product with x."""
+    w = torch.randn(200, 128, generator=torch.Generator().manual_seed(5))
+    with torch.device("meta"):
+        layer = Linear(128, 200, method=QuantizedLinearMethod(4, 32, native=True, rows_bits=8))
+    layer.serves_rows = True
+    layer.weight_loader("p.weight", w)
+    layer.process_weights_after_loading()
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    batch = layer(x)
+    assert torch.equal(batch, torch.cat([layer(x[i:i + 1]) for i in range(9)]))
+    int4 = quant_linear(x, pack(quantize(w, 4, 32)), 4, 32)[:, :200]
+    changed = batch != int4
+    assert 0 < int(changed.sum(-1).max()) <= RESCORED_ROWS
+    exact = (x.float() @ dequantize(quantize(w, 8, 32)).t()).bfloat16()
+    top = int4.topk(RESCORED_ROWS, dim=-1).indices
+    assert torch.allclose(batch.gather(-1, top).float(), exact.gather(-1, top).float(), rtol=1e-2, atol=1e-2)

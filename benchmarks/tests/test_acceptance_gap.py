@@ -35,3 +35,20 @@ def test_per_position_reads_a_bench_report_without_k0():
                           {"k": 1, "acceptance_rate_per_position": [0.9]},
                           {"k": 2, "acceptance_rate_per_position": [0.9, 0.8]}]}
     assert acceptance_gap.per_position(report) == {1: [0.9], 2: [0.9, 0.8]}
+
+
+def test_float_rates_are_reused_only_from_a_report_of_the_same_runs(tmp_path):
+    rates = [{"1": [0.9], "2": [0.9, 0.8]}, {"1": [0.91], "2": [0.88, 0.81]}]
+    report = tmp_path / "earlier.json"
+    report.write_text(acceptance_gap.json.dumps({"prompts": "made: 64", "num_prompts": 64, "subsets": 2,
+                                                 "max_tokens": 128, "model": "default", "rates": {"float": rates}}))
+    args = acceptance_gap.argparse.Namespace(prompts=None, make_prompts=64, subsets=2, max_tokens=128, model=None,
+                                             max_k=2)
+    lines = ["{}"] * 64
+    assert acceptance_gap.earlier_float_rates(str(report), lines, args) == rates
+    with pytest.raises(SystemExit, match="its subsets, max_tokens differ"):
+        acceptance_gap.earlier_float_rates(str(report), lines, acceptance_gap.argparse.Namespace(
+            **{**vars(args), "subsets": 4, "max_tokens": 64}))
+    with pytest.raises(SystemExit, match="its prompts differ"):
+        acceptance_gap.earlier_float_rates(str(report), lines, acceptance_gap.argparse.Namespace(
+            **{**vars(args), "prompts": "other.jsonl", "make_prompts": None}))

@@ -226,6 +226,11 @@ def _rows_of(blocked: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return blocked.transpose(1, 2).reshape(-1, *blocked.shape[1:2], *blocked.shape[3:])
 
 
+# Outputs of each row that a layer with a table at rows_bits scores again from it
+# (QuantizedLinearMethod._rescore): a greedy token is then int8's leader unless int4's error
+# ranked it below eight others.
+RESCORED_ROWS = 8
+
 # Rows quantized and packed at a time where loading quantizes a float weight (a multiple of
 # BLOCK): a few MB of float32 transients instead of several copies of the whole weight.
 PACK_ROWS = 2048
@@ -382,7 +387,8 @@ class QuantizedLinearMethod(LinearMethod):
         # lm_head) is quantized from float, the rows are read from a table of its own at these
         # bits (None: from the product's table). The lookup's error reaches every token's
         # input, the product's only its logits: lm_head's bytes, read at every step, can go
-        # lower than the lookup's, read one row a token.
+        # lower than the lookup's, read one row a token. The product's largest outputs are then
+        # scored again from that table (`_rescore`).
         if rows_bits is not None:
             check_scheme(rows_bits, group_size)
         self.rows_bits = rows_bits
@@ -524,14 +530,30 @@ class QuantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = self._quantized_product(layer, x)
+        if layer.row_table is not None:
+            return self._rescore(layer, x, y)
         if layer.float_tail is None:
             return y if y.is_contiguous() else y.contiguous()
         return torch.cat([y, layer.tail_product(x)], dim=-1)
 
+    def _rescore(self, layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = x W^T of a layer that also keeps its rows at rows_bits (a tied lm_head: int4 for
+        the product, int8 for the lookups) with each x row's RESCORED_ROWS largest outputs
+        scored again from those rows: x in float32 times the dequantized int8 row, summed in
+        float32, one output at a time (the same bits in any batch, as MTP's verify needs).
+        The outputs that decide a greedy token, and most of a sampled one's mass, then carry
+        int8's error instead of int4's, for the price of a few rows' reads a token (an int4
+        product had nearly doubled int8's next-token KL: benchmarks/RESULTS.md, issue 39)."""
+        top = y.topk(RESCORED_ROWS, dim=-1).indices                                   # [..., R]
+        rows = unpack(layer.row_table, self.rows_bits, self.group_size, rows=top.reshape(-1))
+        rows = rows.reshape(*top.shape, rows.shape[-1])                                # [..., R, K]
+        rescored = (x.float().unsqueeze(-2) * rows).sum(-1)
+        return y.scatter(-1, top, rescored.to(y.dtype))
+
     def product(self, layer: nn.Module):
-        """The usual layer (native kernel, rows a multiple of 16, no float tail, no input order)
-        as the op's call itself: a 0.8B decode step makes about a hundred of them."""
-        if (self.native and layer.float_tail is None and layer.input_order is None
+        """The usual layer (native kernel, rows a multiple of 16, no float tail, no input order,
+        no rescoring) as the op's call itself: a 0.8B decode step makes about a hundred of them."""
+        if (self.native and layer.float_tail is None and layer.input_order is None and layer.row_table is None
                 and layer.qweight.device.type == "cpu" and layer.qweight.shape[0] * BLOCK == layer.quantized_rows):
             op, bits, group = torch.ops.hybrid_engine_cpu.linear_quant.default, self.bits, self.group_size
             # the weights read at each call: load_quantized may replace them after this
