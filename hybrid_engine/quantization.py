@@ -8,7 +8,9 @@ lm_head's method keeps the table twice, int4 for the product (read whole at ever
 int8 for the lookups (one row a token). The lookup's error reaches every token's input: on the
 default model an int4 lookup cost about a quarter of int4's perplexity loss, the int4 product
 less than a tenth (benchmarks/RESULTS.md, issue 39); llama.cpp's Q4_0 and Q4_K_M files keep their tied
-table at Q6_K for both. Kept float, as every quantized
+table at Q6_K for both. The int4 product's largest logits of each token are then scored again
+from the int8 rows (QuantizedLinearMethod._rescore): the logits that pick a greedy token, and
+MTP's drafts, carry int8's error for a few rows' reads. Kept float, as every quantized
 format and peer keeps them: GDN's in_proj_b / in_proj_a (they feed the decay and the beta
 sigmoid; a float tail of the merged in_proj), mtp.fc, the MoE router and shared_expert_gate
 (plain nn.Linear), the conv taps, A_log, dt_bias and the norms. MoE experts are quantized each

@@ -139,6 +139,23 @@ def test_native_quantized_mtp_is_lossless_on_the_default_model(method):
     assert run(1) == without and run(3) == without
 
 
+@needs_native
+@pytest.mark.slow
+def test_compiled_int4_steps_match_eager_on_the_default_model():
+    """Compiled decode and MTP steps of the tied int4 default model (its lm_head's largest logits
+    scored again from the int8 rows inside the graph) give the eager engine's greedy tokens.
+    Minutes on 2 cores: `-m slow`."""
+    from hybrid_engine.cli.bench import BUILTIN_PROMPTS
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(compiled, k):
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        llm = LLM(dtype="float32", quantization="int4", speculative_config=spec, enable_torch_compile=compiled)
+        return [o.token_ids for o in llm.generate(BUILTIN_PROMPTS[:4], params)]
+    eager = run(False, 0)
+    assert run(True, 0) == eager and run(True, 2) == eager
+
+
 DEFAULT_PROMPTS = ["def read_config(path):", "import os\nimport sys\n", "class Node:\n    def __init__(self",
                    "for i in range(10):", "    return sorted(", "# Compute the mean\ndef mean(xs):",
                    "with open(path) as f:", "if __name__ == '__main__':"]
