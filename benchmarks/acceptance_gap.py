@@ -96,7 +96,7 @@ def earlier_float_rates(path: str, lines: list[str], args) -> list:
     differ = [name for name, same in checks.items() if not same]
     if differ:
         raise SystemExit(f"--float-from {path}: its {', '.join(differ)} differ from this run's")
-    return earlier["rates"]["float"]
+    return [{int(k): rates for k, rates in subset.items()} for subset in earlier["rates"]["float"]]   # JSON's keys are str
 
 
 def main() -> None:

@@ -45,7 +45,9 @@ def test_float_rates_are_reused_only_from_a_report_of_the_same_runs(tmp_path):
     args = acceptance_gap.argparse.Namespace(prompts=None, make_prompts=64, subsets=2, max_tokens=128, model=None,
                                              max_k=2)
     lines = ["{}"] * 64
-    assert acceptance_gap.earlier_float_rates(str(report), lines, args) == rates
+    # as a run's own: k an int
+    assert acceptance_gap.earlier_float_rates(str(report), lines, args) == [{1: [0.9], 2: [0.9, 0.8]},
+                                                                            {1: [0.91], 2: [0.88, 0.81]}]
     with pytest.raises(SystemExit, match="its subsets, max_tokens differ"):
         acceptance_gap.earlier_float_rates(str(report), lines, acceptance_gap.argparse.Namespace(
             **{**vars(args), "subsets": 4, "max_tokens": 64}))
