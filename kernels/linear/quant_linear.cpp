@@ -413,6 +413,7 @@ static int quant_linear(const XY* x, const uint8_t* q, const int8_t* zp, XY* y, 
 }  // namespace
 
 extern "C" {
+int64_t quant_linear_block_bytes(int K, int group, int bits) { return (int64_t)block_bytes(K, group, bits); }
 int quant_linear_f32(const float* x, const uint8_t* q, const int8_t* zeros, float* y, int M, int N, int K, int bits,
                      int group, int threads) {
   return quant_linear(x, q, zeros, y, M, N, K, bits, group, threads);

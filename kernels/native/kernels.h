@@ -26,6 +26,8 @@ int blocked_mlp_bf16(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd,
 // columns (quant_linear.cpp has the layout): bits 8 or 4, group a multiple of 32 dividing K, N a
 // multiple of 16; zeros the zero points of asymmetric weights (NULL: symmetric); x and y float32
 // or bf16 bits. 1 where the shapes do not fit (nothing written then).
+// Bytes of one block of 16 columns in that layout, for K input columns in groups of `group`.
+int64_t quant_linear_block_bytes(int K, int group, int bits);
 int quant_linear_f32(const float* x, const uint8_t* q, const int8_t* zeros, float* y, int M, int N, int K, int bits,
                      int group, int threads);
 int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const int8_t* zeros, uint16_t* y, int M, int N, int K,

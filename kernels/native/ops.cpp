@@ -120,8 +120,7 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const std::optional<Ten
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
   TORCH_CHECK_VALUE(group >= 32 && group % 32 == 0 && k % group == 0, "linear_quant: group ", group,
                     " is not a multiple of 32 dividing x's ", k, " columns");
-  const int64_t groups = k / group, code_bytes = group * 16 * bits / 8;
-  const int64_t block_bytes = (groups + 1) / 2 * 64 + groups * code_bytes;
+  const int64_t groups = k / group, block_bytes = quant_linear_block_bytes(k, group, bits);
   const bool fits = x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                     q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == block_bytes && q.is_contiguous();
   TORCH_CHECK_VALUE(fits, "linear_quant: x ", shape(x), " ", dtype_name(x), " does not fit int", bits,
