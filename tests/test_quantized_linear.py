@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from hybrid_engine.kernels.linear.quantized import (INT4_DIVISORS, RESCORED_ROWS, QuantizedLinearMethod, QuantizedWeight,
                                                     _int4_search_torch, block_bytes, dequantize, pack, pack_zeros,
                                                     packed_scales, quant_linear, quant_linear_reference, quantize,
-                                                    quantize_packed, unpack)
+                                                    quantize_packed, rescore_top_reference, unpack)
 from hybrid_engine.kernels.native.isa import LEVELS, at_least
 from hybrid_engine.kernels.native.ops import native_ops
 from hybrid_engine.models.linear import Linear
@@ -358,7 +358,7 @@ def test_rows_come_from_a_table_of_their_own_bits_where_the_layer_serves_lookups
     if serves_rows:           # and its 8 largest outputs a row scored again from the int8 rows
         top = product.topk(RESCORED_ROWS, dim=-1).indices
         int8_rows = dequantize(quantize(w, 8, 32))
-        want = product.scatter(-1, top, (x[:, None, :] * int8_rows[top]).sum(-1))
+        want = product.scatter(-1, top, (x.double()[:, None, :] * int8_rows[top].double()).sum(-1).float())
     else:
         want = product
     assert torch.equal(layer(x), want)
@@ -386,3 +386,98 @@ def test_rescored_outputs_are_the_same_bits_in_any_batch():
     exact = (x.float() @ dequantize(quantize(w, 8, 32)).t()).bfloat16()
     top = int4.topk(RESCORED_ROWS, dim=-1).indices
     assert torch.allclose(batch.gather(-1, top).float(), exact.gather(-1, top).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_native_rows_are_the_unpacked_rows(level, bits, zeros):
+    """quant_rows reads an id's bytes from its block: the same values as unpack's whole-block split."""
+    qw = asymmetric_weight(48, 96, bits, 32, seed=bits) if zeros else quantize(torch.randn(48, 96), bits, 32)
+    packed, packed_zeros = pack(qw), pack_zeros(qw)
+    ids = torch.tensor([0, 47, 16, 15, 33, 33])
+    rows = native_ops(level).quant_rows.default(packed, packed_zeros, ids, bits, 32, 96)
+    assert torch.equal(rows, unpack(packed, bits, 32, rows=ids, zeros=packed_zeros))
+    assert torch.equal(rows, dequantize(qw)[ids])
+    with pytest.raises(ValueError, match="outside the weight's 48 rows"):
+        native_ops(level).quant_rows.default(packed, packed_zeros, torch.tensor([3, 48]), bits, 32, 96)
+    with pytest.raises(ValueError, match="is not int"):
+        native_ops(level).quant_rows.default(packed, packed_zeros, ids, bits, 32, 64)
+
+
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_rescoring_against_the_reference(level, dtype, rows, threads):
+    """rescore_top (one pass over each row, split between threads where rows are few) replaces
+    the same outputs as a topk with the int8 rows' dot products (products exact, summed in
+    float64): the same bits. Distinct outputs: among equal ones the reference's topk may pick
+    others."""
+    g = torch.Generator().manual_seed(rows * 10 + threads)
+    n, k = 1000, 128
+    packed = quantize_packed(torch.randn(1008, k, generator=g), 8, 32)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    y = torch.randperm(rows * n, generator=g).reshape(rows, n).float().div(97).to(dtype)   # distinct values
+    if dtype == torch.bfloat16:
+        y = torch.arange(n).float().mul(0.01).sub(5).bfloat16().float().unique()[:n].expand(rows, -1)
+        y = torch.stack([r[torch.randperm(r.shape[0], generator=g)] for r in y]).to(dtype)
+        n = y.shape[1]
+    want = rescore_top_reference(x, y, packed, 8, 32, RESCORED_ROWS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = y.clone()
+        native_ops(level).rescore_top.default(x, got, packed, None, 8, 32, RESCORED_ROWS)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert int((got != y).sum(-1).max()) <= RESCORED_ROWS
+
+
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+def test_native_rescoring_breaks_ties_by_id_and_skips_nan(level):
+    """Equal outputs are taken in the order of their ids (whatever the split between threads),
+    NaN never, and a row of fewer outputs than `count` is rescored whole. Each rescored output
+    is x . the int8 row, summed in float64 and rounded."""
+    k = 64
+    w = torch.randint(-3, 4, (64, k), generator=torch.Generator().manual_seed(1)).float()
+    packed = quantize_packed(w, 8, 32)
+    x = torch.randint(-2, 3, (2, k), generator=torch.Generator().manual_seed(2)).float()
+    y = torch.zeros(2, 60)
+    y[0, [50, 3, 41, 7]] = 2.0                          # 4 equal leaders, then ties at 1.0
+    y[0, [9, 30, 2, 59, 11, 40]] = 1.0
+    y[1, :] = float("nan")
+    y[1, 58] = 5.0
+    exact = (x.double() @ dequantize(quantize(w, 8, 32)).double().t()).float()
+    for threads in (1, 2, 4):
+        got = y.clone()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            native_ops(level).rescore_top.default(x, got, packed, None, 8, 32, RESCORED_ROWS)
+        finally:
+            torch.set_num_threads(before)
+        chosen = [3, 7, 41, 50, 2, 9, 11, 30]               # the 2.0s, then the first four 1.0s by id
+        want = y.clone()
+        want[0, chosen] = exact[0, chosen]
+        want[1, 58] = exact[1, 58]
+        assert torch.equal(got.isnan(), y.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    short = y[:1, :5].clone()
+    native_ops(level).rescore_top.default(x[:1], short, packed, None, 8, 32, RESCORED_ROWS)
+    assert torch.equal(short, exact[:1, :5])
+
+
+@needs_native
+def test_native_rescoring_refuses_what_does_not_fit():
+    packed = quantize_packed(torch.randn(32, 64), 8, 32)
+    with pytest.raises(ValueError, match="do not fit weights of 32 rows"):
+        native_ops().rescore_top.default(torch.randn(1, 64), torch.randn(1, 48), packed, None, 8, 32, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        native_ops().rescore_top.default(torch.randn(1, 64), torch.randn(1, 32).bfloat16(), packed, None, 8, 32, 8)
+    with pytest.raises(ValueError, match="is not int8 weights of 96 columns"):
+        native_ops().rescore_top.default(torch.randn(1, 96), torch.randn(1, 32), packed, None, 8, 32, 8)

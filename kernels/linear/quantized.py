@@ -282,6 +282,18 @@ def unpack(packed: torch.Tensor, bits: int, group_size: int, rows: torch.Tensor 
     return (groups * scales.float()[..., None]).reshape(n, k)
 
 
+def rescore_top_reference(x: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int,
+                          count: int) -> torch.Tensor:
+    """y with each row's `count` largest outputs replaced by x . W[id] from the packed table (the
+    torch form of quant_rows.cpp's rescore_top: products exact in float64, summed there, then
+    rounded; ties among equal outputs may pick other ids than the native pass)."""
+    top = y.topk(min(count, y.shape[-1]), dim=-1).indices                           # [..., R]
+    rows = unpack(packed, bits, group_size, rows=top.reshape(-1))
+    rows = rows.reshape(*top.shape, rows.shape[-1])                                  # [..., R, K]
+    rescored = (x.double().unsqueeze(-2) * rows.double()).sum(-1).float()
+    return y.scatter(-1, top, rescored.to(y.dtype))
+
+
 def packed_scales(packed: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """The scales of a packed weight, float16 [N_padded, K / group]."""
     return _rows_of(_split(packed, bits, group_size)[1], None)
@@ -544,11 +556,13 @@ class QuantizedLinearMethod(LinearMethod):
         The outputs that decide a greedy token, and most of a sampled one's mass, then carry
         int8's error instead of int4's, for the price of a few rows' reads a token (an int4
         product had nearly doubled int8's next-token KL: benchmarks/RESULTS.md, issue 39)."""
-        top = y.topk(RESCORED_ROWS, dim=-1).indices                                   # [..., R]
-        rows = unpack(layer.row_table, self.rows_bits, self.group_size, rows=top.reshape(-1))
-        rows = rows.reshape(*top.shape, rows.shape[-1])                                # [..., R, K]
-        rescored = (x.float().unsqueeze(-2) * rows).sum(-1)
-        return y.scatter(-1, top, rescored.to(y.dtype))
+        if self.native and x.device.type == "cpu":
+            # (quant_rows.cpp: one pass over y instead of a topk, rows read from their blocks;
+            # y is this call's own output, written in place)
+            torch.ops.hybrid_engine_cpu.rescore_top.default(x, y, layer.row_table, None, self.rows_bits,
+                                                            self.group_size, RESCORED_ROWS)
+            return y
+        return rescore_top_reference(x, y, layer.row_table, self.rows_bits, self.group_size, RESCORED_ROWS)
 
     def product(self, layer: nn.Module):
         """The usual layer (native kernel, rows a multiple of 16, no float tail, no input order,
@@ -577,11 +591,19 @@ class QuantizedLinearMethod(LinearMethod):
         if layer.float_tail is not None:
             raise NotImplementedError("rows of a layer with float shards")
         if layer.row_table is not None:
-            return unpack(layer.row_table, self.rows_bits, self.group_size, rows=ids).to(layer.weight_dtype)
-        rows = unpack(layer.qweight, self.bits, self.group_size, rows=ids, zeros=layer.qzeros)
+            return self._rows(layer, layer.row_table, None, self.rows_bits, ids).to(layer.weight_dtype)
+        rows = self._rows(layer, layer.qweight, layer.qzeros, self.bits, ids)
         if layer.input_order is not None:
             rows = torch.empty_like(rows).index_copy_(-1, layer.input_order, rows)
         return rows.to(layer.weight_dtype)
+
+    def _rows(self, layer: nn.Module, packed: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+              ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] float32 from one of the layer's packed tables (natively: only the ids' bytes are read)."""
+        if self.native and packed.device.type == "cpu":
+            return torch.ops.hybrid_engine_cpu.quant_rows.default(packed, zeros, ids, bits, self.group_size,
+                                                                  layer.in_features)
+        return unpack(packed, bits, self.group_size, rows=ids, zeros=zeros)
 
     def holds_weight_elsewhere(self, layer: nn.Module) -> bool:
         return True

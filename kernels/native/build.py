@@ -34,7 +34,8 @@ from .isa import LEVELS, cpu_level
 
 HERE = Path(__file__).parent
 KERNELS = HERE.parent          # the op folders; sources include headers by their path from here
-SOURCES = tuple(KERNELS / name for name in ("linear/blocked_linear.cpp", "linear/quant_linear.cpp", "linear/quantize_int4.cpp", "gdn/gdn_recurrent.cpp",
+SOURCES = tuple(KERNELS / name for name in ("linear/blocked_linear.cpp", "linear/quant_linear.cpp", "linear/quantize_int4.cpp",
+                                            "linear/quant_rows.cpp", "gdn/gdn_recurrent.cpp",
                                             "attention/paged_attention.cpp", "conv/causal_conv1d_update.cpp",
                                             "norm/rms_norm.cpp", "gdn/gdn_decode.cpp", "activation/silu_mul.cpp",
                                             "sampling/token_bitmask.cpp"))

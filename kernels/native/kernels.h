@@ -32,6 +32,18 @@ int quant_linear_f32(const float* x, const uint8_t* q, const int8_t* zeros, floa
                      int group, int threads);
 int quant_linear_bf16(const uint16_t* x, const uint8_t* q, const int8_t* zeros, uint16_t* y, int M, int N, int K,
                       int bits, int group, int threads);
+// Single rows of such a packed weight (quant_rows.cpp), group a multiple of 8 dividing K:
+// out [n, K] float32 = W[ids] dequantized: 0, 1 where an id is outside [0, N), 2 where the
+// scheme does not fit (nothing written then).
+int quant_rows_f32(const uint8_t* q, const int8_t* zeros, const int64_t* ids, float* out, int n, int K, int64_t N,
+                   int bits, int group);
+// In place, in each row r of y [M, n] (rows sy elements apart), its `count` largest outputs
+// y[r][i] replaced by x[r] . W[i] of this packed weight (n <= its rows; x [M, K] contiguous):
+// 0, or 2 where the scheme does not fit.
+int quant_rescore_top_f32(const float* x, float* y, int64_t sy, const uint8_t* q, const int8_t* zeros, int M,
+                          int64_t n, int K, int bits, int group, int count, int threads);
+int quant_rescore_top_bf16(const uint16_t* x, uint16_t* y, int64_t sy, const uint8_t* q, const int8_t* zeros,
+                           int M, int64_t n, int K, int bits, int group, int count, int threads);
 // int4 codes and float16 scales of `groups` groups of `group` consecutive float32 values
 // (quantize_int4.cpp: the scale of least squared error among 21 around max / -8): 0, or 1 where
 // group is not a multiple of 8.

@@ -149,6 +149,68 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const std::optional<Ten
   return y;
 }
 
+// Checks a packed quantized weight of k input columns (and its zero points) for `op`.
+void check_packed(const char* op, const Tensor& q, const std::optional<Tensor>& zeros, int64_t bits, int64_t group,
+                  int64_t k) {
+  TORCH_CHECK_VALUE((bits == 8 || bits == 4) && group >= 8 && group % 8 == 0 && k % group == 0, op, ": int", bits,
+                    " in groups of ", group, " does not fit ", k, " columns (bits 8 or 4, groups a multiple of 8)");
+  const int64_t block_bytes = quant_linear_block_bytes(k, group, bits);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == block_bytes && q.is_contiguous(), op,
+                    ": ", shape(q), " ", dtype_name(q), " is not int", bits, " weights of ", k, " columns in groups of ",
+                    group, " (", block_bytes, " bytes a block of 16 rows)");
+  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->dim() == 3 && zeros->size(0) == q.size(0) &&
+                               zeros->size(1) == k / group && zeros->size(2) == 16 && zeros->is_contiguous()),
+                    op, ": zeros ", zeros ? shape(*zeros) : "", " ", zeros ? dtype_name(*zeros) : "", " are not int8 [",
+                    q.size(0), ", ", k / group, ", 16]");
+}
+
+const int8_t* zeros_data(const std::optional<Tensor>& zeros) {
+  return zeros ? static_cast<const int8_t*>(zeros->const_data_ptr()) : nullptr;
+}
+
+// W[ids] float32 [n, k] of a packed quantized W (quant_rows.cpp), ids int64 [n].
+Tensor quant_rows_op(const Tensor& q, const std::optional<Tensor>& zeros, const Tensor& ids, int64_t bits,
+                     int64_t group, int64_t k) {
+  check_packed("quant_rows", q, zeros, bits, group, k);
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids must be int64 [n], not ",
+                    dtype_name(ids), " ", shape(ids));
+  Tensor out = at::empty({ids.size(0), k}, q.options().dtype(at::kFloat));
+  if (ids.size(0) == 0) return out;
+  const Tensor idc = dense(ids);
+  const int64_t N = q.size(0) * 16;
+  const int rc = quant_rows_f32(static_cast<const uint8_t*>(q.const_data_ptr()), zeros_data(zeros),
+                                idc.const_data_ptr<int64_t>(), out.mutable_data_ptr<float>(), ids.size(0), k, N, bits,
+                                group);
+  TORCH_CHECK_VALUE(rc == 0, "quant_rows: an id of ", values(idc.const_data_ptr<int64_t>(), 1, ids.size(0), false),
+                    " is outside the weight's ", N, " rows");
+  return out;
+}
+
+// In place: in each row of y [..., n] (float32 or bf16, the last dim contiguous), its `count`
+// largest outputs replaced by x . W[i] from a packed quantized W (quant_rows.cpp), x [..., k] of
+// y's dtype.
+void rescore_top_op(const Tensor& x, const Tensor& y, const Tensor& q, const std::optional<Tensor>& zeros, int64_t bits,
+                    int64_t group, int64_t count) {
+  const int64_t k = x.dim() ? x.size(-1) : 0, n = y.dim() ? y.size(-1) : 0;
+  check_packed("rescore_top", q, zeros, bits, group, k);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && y.dim() == x.dim() && x.sizes().slice(0, x.dim() - 1) == y.sizes().slice(0, y.dim() - 1) &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                        y.scalar_type() == x.scalar_type() && y.stride(-1) == 1 && n <= q.size(0) * 16 && count >= 0,
+                    "rescore_top: x ", shape(x), " ", dtype_name(x), " and y ", shape(y), " ", dtype_name(y),
+                    " do not fit weights of ", q.size(0) * 16, " rows (float32 or bf16 both, y's last dim contiguous)");
+  const int64_t m = k ? x.numel() / k : 0;
+  if (m == 0 || n == 0) return;
+  const Tensor xc = dense(x), rows = y.view({m, n});      // a view: the writes reach y
+  const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
+  if (x.scalar_type() == at::kFloat)
+    quant_rescore_top_f32(xc.const_data_ptr<float>(), rows.mutable_data_ptr<float>(), rows.stride(0), qp,
+                          zeros_data(zeros), m, n, k, bits, group, count, threads());
+  else
+    quant_rescore_top_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()),
+                           static_cast<uint16_t*>(rows.mutable_data_ptr()), rows.stride(0), qp, zeros_data(zeros), m,
+                           n, k, bits, group, count, threads());
+}
+
 // w float32 [N, K] -> (int4 codes int8 [N, K], scales float16 [N, K / group]): each group's
 // scale searched (quantize_int4.cpp).
 std::tuple<Tensor, Tensor> quantize_int4_op(const Tensor& w, int64_t group) {
@@ -660,6 +722,8 @@ void define_ops(torch::Library& m) {
   m.def("blocked_rows(Tensor w_blocked, Tensor ids, int k) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor q, Tensor? zeros, int bits, int group) -> Tensor");
   m.def("quantize_int4(Tensor w, int group) -> (Tensor, Tensor)");
+  m.def("quant_rows(Tensor q, Tensor? zeros, Tensor ids, int bits, int group, int k) -> Tensor");
+  m.def("rescore_top(Tensor x, Tensor(a!) y, Tensor q, Tensor? zeros, int bits, int group, int count) -> ()");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
@@ -685,6 +749,8 @@ void cpu_impls(torch::Library& m) {
   m.impl("blocked_rows", blocked_rows_op);
   m.impl("linear_quant", quant_linear_op);
   m.impl("quantize_int4", quantize_int4_op);
+  m.impl("quant_rows", quant_rows_op);
+  m.impl("rescore_top", rescore_top_op);
   m.impl("gdn_recurrent", gdn_recurrent_op);
   m.impl("paged_attention_decode", paged_attention_decode_op);
   m.impl("causal_conv1d_update", causal_conv1d_update_op);

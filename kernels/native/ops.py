@@ -32,6 +32,8 @@ FAKES = {
     "linear_quant": lambda x, q, zeros, bits, group: x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK),
     "quantize_int4": lambda w, group: (w.new_empty(w.shape, dtype=torch.int8),
                                        w.new_empty(w.shape[0], w.shape[1] // group, dtype=torch.float16)),
+    "quant_rows": lambda q, zeros, ids, bits, group, k: q.new_empty(ids.shape[0], k, dtype=torch.float32),
+    "rescore_top": lambda x, y, q, zeros, bits, group, count: None,
     "blocked_rows": lambda w_blocked, ids, k: w_blocked.new_empty(ids.shape[0], k),
     "mlp_blocked": lambda x, gate_up_blocked, down_blocked: x.new_empty(*x.shape[:-1], down_blocked.shape[0] * BLOCK),
     "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
