@@ -47,7 +47,7 @@ def loaded_layer(weight: torch.Tensor, method: LinearMethod | None = None) -> Li
 
 @pytest.fixture
 def block_every_size(monkeypatch):
-    monkeypatch.setattr(projection_mod, "BLOCKED_MIN_BYTES", 0)   # (small bf16 weights stay plain by default)
+    monkeypatch.setattr(projection_mod, "BLOCKED_MIN_BYTES", 0)   # (small bf16 weights get no few-rows copy by default)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 32, 33, 64])
@@ -73,6 +73,22 @@ def expected_layout(dtype: torch.dtype, onednn: bool, few_rows_copy: bool) -> ty
     if few_rows_copy and dtype == torch.bfloat16 and native_available():
         return FewRowsSplit
     return OneDNNProjection if onednn else PlainProjection
+
+
+def test_small_bf16_weights_are_blocked_where_onednn_does_not_pack_them():
+    """A 150 KB bf16 weight (the default model's mtp.fc): without oneDNN bf16 (AVX2) the kernel
+    takes it, as any size (torch's own bf16 product is the only other path there); with oneDNN
+    it packs it, with no few-rows copy under BLOCKED_MIN_BYTES."""
+    w = torch.randn(192, 384, generator=torch.Generator().manual_seed(0)).bfloat16()
+    layout = choose_projection(w)
+    if not native_available():
+        assert type(layout) is PlainProjection
+    elif not onednn_packs(torch.bfloat16):
+        assert type(layout) is (BlockedProjection if at_least("avx512_bf16") else WideningProjection)
+    else:
+        assert type(layout) is OneDNNProjection
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(1)).bfloat16()
+    torch.testing.assert_close(layout(x).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -479,8 +495,9 @@ def test_small_float32_weights_are_blocked_too():
     small = choose_projection(w)
     assert isinstance(small, BlockedProjection)
     torch.testing.assert_close(small(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    # small bf16 weights stay with oneDNN / torch
-    assert not isinstance(choose_projection(torch.randn(240, 1024).bfloat16()), (BlockedProjection, FewRowsSplit))
+    # small bf16 weights that oneDNN packs stay with it alone (the next test has the rest)
+    if onednn_packs(torch.bfloat16):
+        assert isinstance(choose_projection(torch.randn(240, 1024).bfloat16()), OneDNNProjection)
 
 
 @pytest.mark.parametrize("tied", [True, False])

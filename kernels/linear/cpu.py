@@ -7,9 +7,12 @@ benchmarks/RESULTS.md.
 
 Layouts, by what the process's level allows (kernels/native/isa.py):
 
-- Plain: the weight as loaded: float32 weights the native kernel cannot take and, where oneDNN
-  does not pack them, bf16 weights under BLOCKED_MIN_BYTES (a quantized layer's float tail
-  excepted: `CpuLinearMethod.tail_method`) and float16 ones. Every blockable
+- Plain: the weight as loaded: float32 and bf16 weights the native kernel cannot take,
+  float16 ones where oneDNN does not pack them, and bf16 weights under BLOCKED_MIN_BYTES that
+  oneDNN packs (a quantized layer's float tail excepted: `CpuLinearMethod.tail_method`). Where
+  oneDNN does not pack bf16 (AVX2), bf16 weights of every size are blocked: torch's own bf16
+  product there took three times the kernel's time for the default model's 150 KB mtp.fc
+  (benchmarks/RESULTS.md, issue 39). Every blockable
   float32 weight is blocked, small ones too, on every vendor's CPU: on other vendors' CPUs MKL
   runs generic code, slower than the native kernel for small shapes; on Intel's, where MKL's
   GEMV is tuned, a small weight's product is over in microseconds either way, but an MLP whose
@@ -56,7 +59,7 @@ from ..native.isa import at_least, onednn_packs
 from .blocked import BLOCK, block_weight, blocked_linear, blocked_rows, can_block
 from .reference import LinearMethod, plain_linear
 
-BLOCKED_MIN_BYTES = 1 << 20         # smaller bf16 weights stay with oneDNN / torch
+BLOCKED_MIN_BYTES = 1 << 20         # smaller bf16 weights that oneDNN packs stay with it alone
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
@@ -190,12 +193,13 @@ def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: 
         return BlockedProjection(weight) if can_block(weight, padded=True) else PlainProjection(weight)
     if blocked and weight.dtype == torch.bfloat16 and can_block(weight, padded=True):
         return BlockedProjection(weight) if at_least("avx512_bf16") else WideningProjection(weight)
-    small = weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES
-    blockable = can_block(weight, padded=True) and not small
     if not onednn_packs(weight.dtype):
-        if not (blockable and weight.dtype == torch.bfloat16):
+        # no oneDNN: torch's own bf16 product is the alternative, about three times the
+        # kernel's time even for a 150 KB weight (benchmarks/RESULTS.md, issue 39): every size
+        if not (weight.dtype == torch.bfloat16 and can_block(weight, padded=True)):
             return PlainProjection(weight)
         return BlockedProjection(weight) if at_least("avx512_bf16") else WideningProjection(weight)
+    blockable = can_block(weight, padded=True) and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
     many = OneDNNProjection(weight) if onednn else PlainProjection(weight)
     if few_rows_copy and blockable and weight.dtype == torch.bfloat16:
         return FewRowsSplit(many, BlockedProjection(weight))
