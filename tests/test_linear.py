@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hybrid_engine.kernels.linear import blocked as blocked_mod
 from hybrid_engine.kernels.linear.blocked import block_weight, blocked_linear, blocked_linear_reference, native_available
@@ -18,7 +17,7 @@ from hybrid_engine.kernels.native.isa import at_least, onednn_packs
 from hybrid_engine.kernels.activation import silu_mul_torch
 from hybrid_engine.kernels.activation.cpu import silu_mul
 from hybrid_engine.kernels.linear.cpu import (BlockedProjection, FewRowsSplit, OneDNNProjection, PlainProjection,
-                                                  WideningProjection, choose_projection, fused_swiglu, plain_linear)
+                                                  WideningProjection, choose_projection, fused_swiglu)
 from hybrid_engine.kernels.linear.cpu import CpuLinearMethod, Projection
 from hybrid_engine.kernels.backends import CpuBackend
 from hybrid_engine.kernels.linear import LinearMethod, plain_linear
