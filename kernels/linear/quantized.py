@@ -561,7 +561,7 @@ class QuantizedLinearMethod(LinearMethod):
             # y is this call's own output, written in place)
             torch.ops.hybrid_engine_cpu.rescore_top.default(x, y, layer.row_table, None, self.rows_bits,
                                                             self.group_size, RESCORED_ROWS)
-            return y
+            return y if y.is_contiguous() else y.contiguous()      # (cropped: a view of the padded rows)
         return rescore_top_reference(x, y, layer.row_table, self.rows_bits, self.group_size, RESCORED_ROWS)
 
     def product(self, layer: nn.Module):
