@@ -74,20 +74,27 @@ def expected_layout(dtype: torch.dtype, onednn: bool, few_rows_copy: bool) -> ty
     return OneDNNProjection if onednn else PlainProjection
 
 
-def test_small_bf16_weights_are_blocked_where_onednn_does_not_pack_them():
-    """A 150 KB bf16 weight (the default model's mtp.fc): without oneDNN bf16 (AVX2) the kernel
-    takes it, as any size (torch's own bf16 product is the only other path there); with oneDNN
-    it packs it, with no few-rows copy under BLOCKED_MIN_BYTES."""
+@pytest.mark.parametrize("onednn", [True, False])
+def test_small_bf16_weights_run_the_kernel_up_to_16_rows(onednn):
+    """A 150 KB bf16 weight (the default model's mtp.fc): where oneDNN packs bf16 its blocked
+    copy serves up to SMALL_FEW_ROWS rows (decode and MTP verify: a row the same bits in either),
+    oneDNN (or a compiled step's plain product) more; where it does not, the kernel every row
+    count (module docstring of kernels/linear/cpu.py)."""
     w = torch.randn(192, 384, generator=torch.Generator().manual_seed(0)).bfloat16()
-    layout = choose_projection(w)
+    layout = choose_projection(w, onednn=onednn)
     if not native_available():
         assert type(layout) is PlainProjection
-    elif not onednn_packs(torch.bfloat16):
-        assert type(layout) is (BlockedProjection if at_least("avx512_bf16") else WideningProjection)
+        return
+    x = torch.randn(40, 384, generator=torch.Generator().manual_seed(1)).bfloat16()
+    if onednn_packs(torch.bfloat16):
+        assert type(layout) is FewRowsSplit and layout.max_rows == projection_mod.SMALL_FEW_ROWS == 16
+        assert type(layout.many) is (OneDNNProjection if onednn else PlainProjection)
+        few = x[:16]
     else:
-        assert type(layout) is OneDNNProjection
-    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(1)).bfloat16()
+        assert type(layout) is (BlockedProjection if at_least("avx512_bf16") else WideningProjection)
+        few = x
     torch.testing.assert_close(layout(x).float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+    assert torch.equal(layout(few), torch.cat([layout(few[i:i + 1]) for i in range(few.shape[0])]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -494,9 +501,10 @@ def test_small_float32_weights_are_blocked_too():
     small = choose_projection(w)
     assert isinstance(small, BlockedProjection)
     torch.testing.assert_close(small(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    # small bf16 weights that oneDNN packs stay with it alone (the next test has the rest)
-    if onednn_packs(torch.bfloat16):
-        assert isinstance(choose_projection(torch.randn(240, 1024).bfloat16()), OneDNNProjection)
+    # and small bf16 weights, up to 16 rows where oneDNN packs bf16
+    # (test_small_bf16_weights_run_the_kernel_up_to_16_rows)
+    small_bf16 = choose_projection(torch.randn(240, 1024).bfloat16())
+    assert isinstance(small_bf16, FewRowsSplit if onednn_packs(torch.bfloat16) else BlockedProjection)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -7,12 +7,8 @@ benchmarks/RESULTS.md.
 
 Layouts, by what the process's level allows (kernels/native/isa.py):
 
-- Plain: the weight as loaded: float32 and bf16 weights the native kernel cannot take,
-  float16 ones where oneDNN does not pack them, and bf16 weights under BLOCKED_MIN_BYTES that
-  oneDNN packs (a quantized layer's float tail excepted: `CpuLinearMethod.tail_method`). Where
-  oneDNN does not pack bf16 (AVX2), bf16 weights of every size are blocked: torch's own bf16
-  product there took three times the kernel's time for the default model's 150 KB mtp.fc
-  (benchmarks/RESULTS.md, issue 39). Every blockable
+- Plain: the weight as loaded: float32 and bf16 weights the native kernel cannot take, and
+  float16 ones where oneDNN does not pack them. Every blockable
   float32 weight is blocked, small ones too, on every vendor's CPU: on other vendors' CPUs MKL
   runs generic code, slower than the native kernel for small shapes; on Intel's, where MKL's
   GEMV is tuned, a small weight's product is over in microseconds either way, but an MLP whose
@@ -23,8 +19,10 @@ Layouts, by what the process's level allows (kernels/native/isa.py):
 - Blocked (the native kernel, kernels/linear/blocked.py): float32 W becomes [N/16, K, 16] and every
   product runs in the hand-written kernel, which streams as fast as MKL's GEMV at 1 row and
   faster at the few rows of MTP verify and small batches, on par for prefill. bf16 W is blocked
-  too where oneDNN may not pack it (AVX2: torch's bf16 matmul has no fast path there; see
-  Widening below). One copy of the weights replaces the plain one.
+  too where oneDNN may not pack it, at every size (AVX2: torch's bf16 matmul has no fast path
+  there and took about 3x the kernel's time for the default model's 150 KB mtp.fc,
+  benchmarks/RESULTS.md issue 39; see Widening below). One copy of the weights replaces the
+  plain one.
 
 - Widening (bf16 where neither oneDNN packs it nor the level has a bf16 dot product: AVX2): the
   blocked bf16 weight, one copy. Few rows widen W in registers (the product is bound by memory,
@@ -43,7 +41,10 @@ Layouts, by what the process's level allows (kernels/native/isa.py):
   also gets a blocked copy for products of at most FEW_ROWS rows of x (batch-1 decode, MTP
   verify at k <= 3): there the native kernel's AVX512-BF16 dot products stream faster than
   oneDNN, while from 8 rows on oneDNN's AMX kernel is faster. The price is a second copy of the
-  bf16 weights. Under torch.compile the row count test is on the input's (symbolic) shape:
+  bf16 weights. A weight under BLOCKED_MIN_BYTES (the default model's, the MTP head's fc at its
+  dims) takes its copy up to SMALL_FEW_ROWS rows: there a oneDNN call's fixed cost made it 2-3x
+  slower than the kernel at 1-5 rows and no faster at 64, and one kernel for MTP verify's rows
+  gives a row the same bits as in a decode (benchmarks/RESULTS.md, issue 39). Under torch.compile the row count test is on the input's (symbolic) shape:
   dynamo guards on it, so a graph traced for few rows and one for more each take their own
   branch.
 """
@@ -59,8 +60,9 @@ from ..native.isa import at_least, onednn_packs
 from .blocked import BLOCK, block_weight, blocked_linear, blocked_rows, can_block
 from .reference import LinearMethod, plain_linear
 
-BLOCKED_MIN_BYTES = 1 << 20         # smaller bf16 weights that oneDNN packs stay with it alone
+BLOCKED_MIN_BYTES = 1 << 20         # smaller bf16 weights: their blocked copy up to SMALL_FEW_ROWS rows
 FEW_ROWS = 4                        # bf16 products of at most this many rows take the blocked copy
+SMALL_FEW_ROWS = 16                 # the same for weights under BLOCKED_MIN_BYTES
 WIDEN_MIN_ROWS = 16                 # bf16 products of at least this many rows widen W's tiles (AVX2)
 
 
@@ -138,14 +140,14 @@ class OneDNNProjection(Projection):
 
 
 class FewRowsSplit(Projection):
-    """`few` for products of at most FEW_ROWS rows of x, `many` for more."""
+    """`few` for products of at most max_rows rows of x, `many` for more."""
 
-    def __init__(self, many: Projection, few: BlockedProjection):
-        self.many, self.few = many, few
+    def __init__(self, many: Projection, few: BlockedProjection, max_rows: int = FEW_ROWS):
+        self.many, self.few, self.max_rows = many, few, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        return self.few(x) if rows <= FEW_ROWS else self.many(x)
+        return self.few(x) if rows <= self.max_rows else self.many(x)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.many.rows(ids)
@@ -157,7 +159,7 @@ def _register_form(projection: Projection, rows) -> BlockedProjection | None:
     may be symbolic in a traced step: the tests are the ones the projections' own calls make
     (FewRowsSplit, Widening), so they guard on nothing new."""
     if isinstance(projection, FewRowsSplit):
-        if rows > FEW_ROWS:
+        if rows > projection.max_rows:
             return None
         projection = projection.few
     if isinstance(projection, WideningProjection):
@@ -191,18 +193,15 @@ def choose_projection(weight: torch.Tensor, onednn: bool = True, few_rows_copy: 
         return PlainProjection(weight)
     if weight.dtype == torch.float32:
         return BlockedProjection(weight) if can_block(weight, padded=True) else PlainProjection(weight)
-    if blocked and weight.dtype == torch.bfloat16 and can_block(weight, padded=True):
+    bf16_blockable = weight.dtype == torch.bfloat16 and can_block(weight, padded=True)
+    if bf16_blockable and (blocked or not onednn_packs(weight.dtype)):
         return BlockedProjection(weight) if at_least("avx512_bf16") else WideningProjection(weight)
     if not onednn_packs(weight.dtype):
-        # no oneDNN: torch's own bf16 product is the alternative, about three times the
-        # kernel's time even for a 150 KB weight (benchmarks/RESULTS.md, issue 39): every size
-        if not (weight.dtype == torch.bfloat16 and can_block(weight, padded=True)):
-            return PlainProjection(weight)
-        return BlockedProjection(weight) if at_least("avx512_bf16") else WideningProjection(weight)
-    blockable = can_block(weight, padded=True) and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
+        return PlainProjection(weight)
     many = OneDNNProjection(weight) if onednn else PlainProjection(weight)
-    if few_rows_copy and blockable and weight.dtype == torch.bfloat16:
-        return FewRowsSplit(many, BlockedProjection(weight))
+    if few_rows_copy and bf16_blockable:
+        small = weight.numel() * weight.element_size() < BLOCKED_MIN_BYTES
+        return FewRowsSplit(many, BlockedProjection(weight), SMALL_FEW_ROWS if small else FEW_ROWS)
     return many
 
 
