@@ -35,15 +35,21 @@ def median_us(call, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def probe_args(doc: str) -> argparse.Namespace:
+    """--threads (set for torch) and --json of a probe that needs the native kernels."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ops = native_ops()
-    if ops is None:
+    if native_ops() is None:
         raise SystemExit("no native kernels at this level")
+    return args
+
+
+def main() -> None:
+    args = probe_args(__doc__)
+    ops = native_ops()
     g = torch.Generator().manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -63,9 +69,13 @@ def main() -> None:
         rows.append({"shape": name, "lookup_of_one_id": lookup})
         print(f"{name:14s} one lookup: unpack {lookup['torch_us']:6.1f} us, quant_rows {lookup['native_us']:6.1f} us")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_level": cpu_level(),
-                       "threads": args.threads, "rows": rows}, f, indent=1)
+        write_report(args.json, args.threads, rows)
+
+
+def write_report(path: str, threads: int, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_level": cpu_level(),
+                   "threads": threads, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,41 +11,20 @@ fixed cost is what differs).
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
-
 import torch
 
 from hybrid_engine.kernels.linear.cpu import BlockedProjection, OneDNNProjection, WideningProjection
 from hybrid_engine.kernels.linear.reference import plain_linear
-from hybrid_engine.kernels.native.isa import at_least, cpu_level, onednn_packs
-from hybrid_engine.kernels.native.ops import native_ops
+from hybrid_engine.kernels.native.isa import at_least, onednn_packs
+
+from bench_rescoring import median_us, probe_args, write_report      # (this folder: the script's own, first on sys.path)
 
 SHAPES = [(192, 384), (1728, 192), (192, 864), (3072, 192)]     # mtp.fc, gate_up, down, lm_head
 ROWS = [1, 3, 5, 64, 512]
 
 
-def median_us(call, repeats: int = 300) -> float:
-    for _ in range(20):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if native_ops() is None:
-        raise SystemExit("no native kernels at this level")
+    args = probe_args(__doc__)
     g = torch.Generator().manual_seed(0)
     rows = []
     for n, k in SHAPES:
@@ -56,13 +35,11 @@ def main() -> None:
             forms["onednn"] = OneDNNProjection(w)
         for m in ROWS:
             x = torch.randn(m, k, generator=g).bfloat16()
-            row = {"shape": [n, k], "rows": m, **{name: median_us(lambda f=f: f(x)) for name, f in forms.items()}}
+            row = {"shape": [n, k], "rows": m, **{name: median_us(lambda f=f: f(x), 300) for name, f in forms.items()}}
             rows.append(row)
             print(f"[{n}, {k}] {m:3d} rows: " + ", ".join(f"{name} {row[name]:7.1f} us" for name in forms))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_level": cpu_level(),
-                       "threads": args.threads, "rows": rows}, f, indent=1)
+        write_report(args.json, args.threads, rows)
 
 
 if __name__ == "__main__":

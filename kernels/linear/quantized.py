@@ -551,8 +551,9 @@ class QuantizedLinearMethod(LinearMethod):
     def _rescore(self, layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y = x W^T of a layer that also keeps its rows at rows_bits (a tied lm_head: int4 for
         the product, int8 for the lookups) with each x row's RESCORED_ROWS largest outputs
-        scored again from those rows: x in float32 times the dequantized int8 row, summed in
-        float32, one output at a time (the same bits in any batch, as MTP's verify needs).
+        scored again from those rows: x times the dequantized int8 row, each product exact in
+        float64 and summed there, one output at a time (the same bits in any batch, as MTP's
+        verify needs).
         The outputs that decide a greedy token, and most of a sampled one's mass, then carry
         int8's error instead of int4's, for the price of a few rows' reads a token (an int4
         product had nearly doubled int8's next-token KL: benchmarks/RESULTS.md, issue 39)."""
