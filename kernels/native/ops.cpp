@@ -111,6 +111,19 @@ Tensor blocked_linear_op(const Tensor& x, const Tensor& w_blocked, bool widen) {
   return y;
 }
 
+// The zero points of a packed quantized weight q of `groups` groups a row, for `op`: none, or
+// int8 [N/16, groups, 16].
+void check_zeros(const char* op, const std::optional<Tensor>& zeros, const Tensor& q, int64_t groups) {
+  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->dim() == 3 && zeros->size(0) == q.size(0) &&
+                               zeros->size(1) == groups && zeros->size(2) == 16 && zeros->is_contiguous()),
+                    op, ": zeros ", zeros ? shape(*zeros) : "", " ", zeros ? dtype_name(*zeros) : "", " are not int8 [",
+                    q.size(0), ", ", groups, ", 16]");
+}
+
+const int8_t* zeros_data(const std::optional<Tensor>& zeros) {
+  return zeros ? static_cast<const int8_t*>(zeros->const_data_ptr()) : nullptr;
+}
+
 // x [..., K] @ W^T -> [..., N] from a quantized W: q uint8 [N/16, block bytes], each block's
 // codes and float16 scales in one stream, and for asymmetric weights zeros int8 [N/16, K / group,
 // 16] (kernels/linear/quantized.py, quant_linear.cpp).
@@ -120,17 +133,13 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const std::optional<Ten
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4, not ", bits);
   TORCH_CHECK_VALUE(group >= 32 && group % 32 == 0 && k % group == 0, "linear_quant: group ", group,
                     " is not a multiple of 32 dividing x's ", k, " columns");
-  const int64_t groups = k / group, block_bytes = quant_linear_block_bytes(k, group, bits);
+  const int64_t block_bytes = quant_linear_block_bytes(k, group, bits);
   const bool fits = x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                     q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == block_bytes && q.is_contiguous();
   TORCH_CHECK_VALUE(fits, "linear_quant: x ", shape(x), " ", dtype_name(x), " does not fit int", bits,
                     " weights ", shape(q), " ", dtype_name(q), " in groups of ", group, " (", block_bytes,
                     " bytes a block of 16 columns)");
-  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->dim() == 3 &&
-                               zeros->size(0) == q.size(0) && zeros->size(1) == groups && zeros->size(2) == 16 &&
-                               zeros->is_contiguous()),
-                    "linear_quant: zeros ", zeros ? shape(*zeros) : "", " ", zeros ? dtype_name(*zeros) : "",
-                    " are not int8 [", q.size(0), ", ", groups, ", 16]");
+  check_zeros("linear_quant", zeros, q, k / group);
   const int64_t n = q.size(0) * 16;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
@@ -139,7 +148,7 @@ Tensor quant_linear_op(const Tensor& x, const Tensor& q, const std::optional<Ten
   if (m == 0) return y;
   const Tensor xc = dense(x);
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
-  const auto* zp = zeros ? static_cast<const int8_t*>(zeros->const_data_ptr()) : nullptr;
+  const int8_t* zp = zeros_data(zeros);
   if (x.scalar_type() == at::kFloat)
     quant_linear_f32(xc.const_data_ptr<float>(), qp, zp, y.mutable_data_ptr<float>(), m, n, k, bits, group,
                      threads());
@@ -158,14 +167,7 @@ void check_packed(const char* op, const Tensor& q, const std::optional<Tensor>& 
   TORCH_CHECK_VALUE(q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == block_bytes && q.is_contiguous(), op,
                     ": ", shape(q), " ", dtype_name(q), " is not int", bits, " weights of ", k, " columns in groups of ",
                     group, " (", block_bytes, " bytes a block of 16 rows)");
-  TORCH_CHECK_VALUE(!zeros || (zeros->scalar_type() == at::kChar && zeros->dim() == 3 && zeros->size(0) == q.size(0) &&
-                               zeros->size(1) == k / group && zeros->size(2) == 16 && zeros->is_contiguous()),
-                    op, ": zeros ", zeros ? shape(*zeros) : "", " ", zeros ? dtype_name(*zeros) : "", " are not int8 [",
-                    q.size(0), ", ", k / group, ", 16]");
-}
-
-const int8_t* zeros_data(const std::optional<Tensor>& zeros) {
-  return zeros ? static_cast<const int8_t*>(zeros->const_data_ptr()) : nullptr;
+  check_zeros(op, zeros, q, k / group);
 }
 
 // W[ids] float32 [n, k] of a packed quantized W (quant_rows.cpp), ids int64 [n].
