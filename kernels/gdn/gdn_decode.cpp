@@ -39,14 +39,9 @@ constexpr float QK_EPS = 1e-6f;           // inside the rsqrt, as fla and transf
 constexpr float SOFTPLUS_THRESHOLD = 20.f;  // torch's default: above it softplus(x) = x
 
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return simd::bits_to_float((uint32_t)x << 16); }
+inline float to_float(uint16_t x) { return simd::bf16_to_float(x); }
 inline float rounded(float x, const float*) { return x; }
-inline float rounded(float x, const uint16_t*) {          // to the nearest bf16, nearest even
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, sizeof bits);
-  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
-  return simd::bits_to_float(bits);
-}
+inline float rounded(float x, const uint16_t*) { return simd::bf16_to_float(simd::float_to_bf16(x)); }
 
 // out = x * rsqrt(sum(x^2) + eps) * factor, x's dk values widened to float32
 template <typename T>

@@ -104,20 +104,11 @@ struct Best {
 };
 
 inline float load_one(const float* p) { return *p; }
-inline float load_one(const uint16_t* p) {
-  const uint32_t bits = (uint32_t)*p << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
+inline float load_one(const uint16_t* p) { return simd::bf16_to_float(*p); }
 inline simd::F load_vector(const float* p) { return simd::load(p); }
 inline simd::F load_vector(const uint16_t* p) { return simd::load_bf16(p); }
 inline void store_one(float* p, float v) { *p = v; }
-inline void store_one(uint16_t* p, float v) {          // nearest even, as torch's casts
-  uint32_t bits;
-  memcpy(&bits, &v, 4);
-  *p = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
+inline void store_one(uint16_t* p, float v) { *p = simd::float_to_bf16(v); }
 
 // Whether any of v[0..3] exceeds t (compares with NaN are false).
 inline bool any_above(simd::F v0, simd::F v1, simd::F v2, simd::F v3, simd::F t) {

@@ -162,6 +162,15 @@ inline float bits_to_float(uint32_t bits) {
   return f;
 }
 
+// One bf16 value (its bits) as a float, and a float to the nearest bf16 (nearest even, as
+// torch's casts).
+inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
 // n <= W values at p, as a vector with zeros past them (a row's tail), and back.
 inline F load_n(const float* p, int n) {
   if (n == W) return load(p);
