@@ -20,6 +20,9 @@ from hybrid_engine.models.linear import Linear
 
 needs_native = pytest.mark.skipif(not at_least("avx2") or native_ops() is None, reason="level none: no native kernel")
 NATIVE_LEVELS = [lvl for lvl in LEVELS[1:] if at_least(lvl)]   # the levels this process may run
+# Tests of the native ops at each level: at level none (a CPU without AVX2, or the override) no
+# op is built to test; the torch references those ops match are tested there by the others.
+needs_native_levels = pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
 CODES = {8: (-128, 127), 4: (-8, 7)}                          # values and zero points: the codes less their middle
 
 
@@ -146,7 +149,7 @@ def test_pack_and_unpack_round_trip_with_zero_points(bits, group, rows, groups, 
     assert torch.equal(unpack(q, bits, group, rows=ids, zeros=zeros), want[ids])
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@needs_native_levels
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group", [32, 128])
@@ -172,7 +175,7 @@ def test_native_product_with_zero_points_against_the_reference(level, bits, grou
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 0.02
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@needs_native_levels
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 def test_native_product_refuses_zero_points_that_do_not_fit(level):
     product = native_ops(level).linear_quant.default
@@ -389,7 +392,7 @@ def test_rescored_outputs_are_the_same_bits_in_any_batch():
     assert torch.allclose(batch.gather(-1, top).float(), exact.gather(-1, top).float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@needs_native_levels
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("zeros", [False, True])
@@ -407,7 +410,7 @@ def test_native_rows_are_the_unpacked_rows(level, bits, zeros):
         native_ops(level).quant_rows.default(packed, packed_zeros, ids, bits, 32, 64)
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@needs_native_levels
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 17])
@@ -438,7 +441,7 @@ def test_native_rescoring_against_the_reference(level, dtype, rows, threads):
     assert int((got != y).sum(-1).max()) <= RESCORED_ROWS
 
 
-@pytest.mark.skipif(not NATIVE_LEVELS, reason="level none: no native kernel")
+@needs_native_levels
 @pytest.mark.parametrize("level", NATIVE_LEVELS)
 def test_native_rescoring_breaks_ties_by_id_and_skips_nan(level):
     """Equal outputs are taken in the order of their ids (whatever the split between threads),

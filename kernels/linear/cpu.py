@@ -44,9 +44,9 @@ Layouts, by what the process's level allows (kernels/native/isa.py):
   bf16 weights. A weight under BLOCKED_MIN_BYTES (the default model's, the MTP head's fc at its
   dims) takes its copy up to SMALL_FEW_ROWS rows: there a oneDNN call's fixed cost made it 2-3x
   slower than the kernel at 1-5 rows and no faster at 64, and one kernel for MTP verify's rows
-  gives a row the same bits as in a decode (benchmarks/RESULTS.md, issue 39). Under torch.compile the row count test is on the input's (symbolic) shape:
-  dynamo guards on it, so a graph traced for few rows and one for more each take their own
-  branch.
+  gives a row the same bits as in a decode (benchmarks/RESULTS.md, issue 39). Under
+  torch.compile the row count test is on the input's (symbolic) shape: dynamo guards on it, so
+  a graph traced for few rows and one for more each take their own branch.
 """
 
 from __future__ import annotations
