@@ -6,6 +6,8 @@ VNNI and at the other width)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -485,3 +487,56 @@ def test_native_rescoring_refuses_what_does_not_fit():
         native_ops().rescore_top.default(torch.randn(1, 64), torch.randn(1, 32).bfloat16(), packed, None, 8, 32, 8)
     with pytest.raises(ValueError, match="is not int8 weights of 96 columns"):
         native_ops().rescore_top.default(torch.randn(1, 96), torch.randn(1, 32), packed, None, 8, 32, 8)
+
+
+@needs_native_levels
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_native_mlp_is_its_three_calls(level, bits, zeros):
+    """mlp_quant: the quantized SwiGLU's products and activation in one call, the same bits as
+    linear_quant, silu_mul, linear_quant at 1 to 17 rows, float32 and bf16, zero points or none."""
+    ops = native_ops(level)
+    gate_up = asymmetric_weight(2 * 96, 128, bits, 32, seed=bits)
+    down = asymmetric_weight(80, 96, bits, 32, seed=bits + 1)
+    gu_q, d_q = pack(gate_up), pack(down)
+    gu_z, d_z = (pack_zeros(gate_up), pack_zeros(down)) if zeros else (None, None)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (1, 2, 5, 17):
+            x = torch.randn(m, 128, generator=g).to(dtype)
+            want = ops.linear_quant(ops.silu_mul(ops.linear_quant(x, gu_q, gu_z, bits, 32)), d_q, d_z, bits, 32)
+            got = ops.mlp_quant(x, gu_q, gu_z, d_q, d_z, bits, 32)
+            assert got.dtype == dtype and got.shape == (m, 80)
+            assert torch.equal(got, want), (dtype, m)
+    with pytest.raises(ValueError, match=r"mlp_quant: gate_up \(\d+,\) and down .* are not packed weights"):
+        ops.mlp_quant(torch.randn(1, 128), gu_q.flatten(), gu_z, d_q, d_z, bits, 32)
+    with pytest.raises(ValueError, match=r"mlp_quant: down \(5, \d+\) does not take the 96 columns of gate_up"):
+        ops.mlp_quant(torch.randn(1, 128), gu_q, gu_z, pack(asymmetric_weight(80, 64, bits, 32, seed=0)), None,
+                      bits, 32)
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_method_swiglu_is_down_of_the_activated_gate_up(native, bits):
+    """QuantizedLinearMethod.apply_swiglu: down(silu(gate) * up) of the merged gate_up layer,
+    natively one mlp_quant call, the same bits as the three calls; a down layer of other bits
+    takes the three calls."""
+    from hybrid_engine.kernels.activation.cpu import silu_mul
+    g = torch.Generator().manual_seed(4)
+    method = QuantizedLinearMethod(bits, 32, native=native)
+    gate_up = _layer(torch.randn(128, 64, generator=g) / 8, method, {"gate_proj": 64, "up_proj": 64})
+    down = _layer(torch.randn(48, 64, generator=g) / 8, method)
+    fused = torch.ops.hybrid_engine_cpu.mlp_quant if native else None
+    calls = []
+    counting = type("Op", (), {"default": staticmethod(lambda *a: calls.append(1) or fused.default(*a))})
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        want = down(silu_mul(gate_up(x)))
+        with mock.patch.object(torch.ops.hybrid_engine_cpu, "mlp_quant", counting, create=True):
+            got = method.apply_swiglu(gate_up, down, x, silu_mul)
+        assert torch.equal(got, want), dtype
+    assert len(calls) == (2 if native else 0)
+    other = _layer(torch.randn(48, 64, generator=g) / 8, QuantizedLinearMethod(12 - bits, 32, native=native))
+    x = torch.randn(2, 64, generator=g)
+    assert torch.equal(method.apply_swiglu(gate_up, other, x, silu_mul), other(silu_mul(gate_up(x))))

@@ -565,15 +565,32 @@ class QuantizedLinearMethod(LinearMethod):
             return y if y.is_contiguous() else y.contiguous()      # (cropped: a view of the padded rows)
         return rescore_top_reference(x, y, layer.row_table, self.rows_bits, self.group_size, RESCORED_ROWS)
 
+    def _runs_plain(self, layer: nn.Module) -> bool:
+        """Whether the layer's product is the native op's call alone: rows a multiple of 16, no
+        float tail, no input order, no rescoring."""
+        return (self.native and layer.float_tail is None and layer.input_order is None and layer.row_table is None
+                and layer.qweight.device.type == "cpu" and layer.qweight.shape[0] * BLOCK == layer.quantized_rows)
+
     def product(self, layer: nn.Module):
-        """The usual layer (native kernel, rows a multiple of 16, no float tail, no input order,
-        no rescoring) as the op's call itself: a 0.8B decode step makes about a hundred of them."""
-        if (self.native and layer.float_tail is None and layer.input_order is None and layer.row_table is None
-                and layer.qweight.device.type == "cpu" and layer.qweight.shape[0] * BLOCK == layer.quantized_rows):
+        """The usual layer (`_runs_plain`) as the op's call itself: a 0.8B decode step makes
+        about a hundred of them."""
+        if self._runs_plain(layer):
             op, bits, group = torch.ops.hybrid_engine_cpu.linear_quant.default, self.bits, self.group_size
             # the weights read at each call: load_quantized may replace them after this
             return lambda x: op(x, layer.qweight, layer.qzeros, bits, group)
         return super().product(layer)
+
+    def apply_swiglu(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        """Both products and the activation in one native call (mlp_quant: linear_quant, silu_mul,
+        linear_quant in C++, the same values) where both layers run plain at this method's
+        bits and groups; else the three calls."""
+        d = down.method
+        if (d is self or (isinstance(d, QuantizedLinearMethod) and (d.bits, d.group_size, d.native)
+                          == (self.bits, self.group_size, self.native))) \
+                and self._runs_plain(gate_up) and self._runs_plain(down) and x.device.type == "cpu":
+            return torch.ops.hybrid_engine_cpu.mlp_quant.default(x, gate_up.qweight, gate_up.qzeros, down.qweight,
+                                                                 down.qzeros, self.bits, self.group_size)
+        return super().apply_swiglu(gate_up, down, x, silu_mul)
 
     def _tail_product(self, tail: torch.Tensor):
         """x -> x tail^T by the float method's tail method, on a holder of the tail rows' own (the method keeps

@@ -696,6 +696,27 @@ Tensor silu_mul_op(const Tensor& x) {
   return y;
 }
 
+// ---- the quantized SwiGLU MLP -----------------------------------------------------------------
+
+// x [..., H] -> silu_mul(x Wgu^T) Wd^T [..., N] from two packed quantized weights (gate_up: the
+// merged [gate | up] projection, 2I columns; down: I columns in), x's dtype. The three calls a
+// quantized MLP makes (linear_quant, silu_mul, linear_quant) in C++ one after the other: the same
+// values as those calls, without the Python and dispatch between them, which at batch 1 cost a
+// quantized MLP a good part of its products' time (benchmarks/RESULTS.md, issue 39).
+Tensor quant_mlp_op(const Tensor& x, const Tensor& gate_up_q, const std::optional<Tensor>& gate_up_zeros,
+                    const Tensor& down_q, const std::optional<Tensor>& down_zeros, int64_t bits, int64_t group) {
+  // (the first product checks x, gate_up and the groups against x; down's against the activation here)
+  TORCH_CHECK_VALUE(gate_up_q.dim() == 2 && down_q.dim() == 2, "mlp_quant: gate_up ", shape(gate_up_q),
+                    " and down ", shape(down_q), " are not packed weights [blocks, bytes]");
+  const int64_t i = gate_up_q.size(0) * 8;                 // half of gate_up's 2I columns
+  TORCH_CHECK_VALUE((bits == 8 || bits == 4) && group >= 32 && group % 32 == 0 && i % group == 0 &&
+                        down_q.size(1) == quant_linear_block_bytes(i, group, bits),
+                    "mlp_quant: down ", shape(down_q), " does not take the ", i, " columns of gate_up ",
+                    shape(gate_up_q), "'s activation (int", bits, " in groups of ", group, ")");
+  const Tensor h = silu_mul_op(quant_linear_op(x, gate_up_q, gate_up_zeros, bits, group));
+  return quant_linear_op(h, down_q, down_zeros, bits, group);
+}
+
 // ---- token_bitmask.cpp ------------------------------------------------------------------------
 
 // logits [N, V] float32 (vocab contiguous), in place: -inf where bitmask [N, >= ceil(V/32)]
@@ -727,6 +748,8 @@ void define_ops(torch::Library& m) {
   m.def("quant_rows(Tensor q, Tensor? zeros, Tensor ids, int bits, int group, int k) -> Tensor");
   m.def("rescore_top(Tensor x, Tensor(a!) y, Tensor q, Tensor? zeros, int bits, int group, int count) -> ()");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
+  m.def("mlp_quant(Tensor x, Tensor gate_up_q, Tensor? gate_up_zeros, Tensor down_q, Tensor? down_zeros, "
+        "int bits, int group) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
         "Tensor read_slots, Tensor write_slots) -> Tensor");
   m.def("paged_attention_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
@@ -748,6 +771,7 @@ void define_ops(torch::Library& m) {
 void cpu_impls(torch::Library& m) {
   m.impl("linear_blocked", blocked_linear_op);
   m.impl("mlp_blocked", blocked_mlp_op);
+  m.impl("mlp_quant", quant_mlp_op);
   m.impl("blocked_rows", blocked_rows_op);
   m.impl("linear_quant", quant_linear_op);
   m.impl("quantize_int4", quantize_int4_op);

@@ -36,6 +36,7 @@ FAKES = {
     "rescore_top": lambda x, y, q, zeros, bits, group, count: None,
     "blocked_rows": lambda w_blocked, ids, k: w_blocked.new_empty(ids.shape[0], k),
     "mlp_blocked": lambda x, gate_up_blocked, down_blocked: x.new_empty(*x.shape[:-1], down_blocked.shape[0] * BLOCK),
+    "mlp_quant": lambda x, gate_up_q, gate_up_zeros, down_q, *_: x.new_empty(*x.shape[:-1], down_q.shape[0] * BLOCK),
     "gdn_recurrent": lambda kq, decay, beta, v, *_: v.new_empty(v.shape, dtype=torch.float32),
     "paged_attention_decode": lambda q, *_: q.new_empty(q.shape, dtype=torch.float32),
     "causal_conv1d_update": lambda x, *_: x.new_empty(x.shape),
