@@ -299,6 +299,49 @@ def test_cpu_float_tail_is_blocked_and_row_invariant():
     torch.testing.assert_close(together.float(), x.float() @ w[96:].float().t(), rtol=2e-2, atol=2e-2)
 
 
+@needs_native
+@pytest.mark.parametrize("tail_rows", [8, 32])                   # 8: a tail padded to a block and cropped
+def test_cpu_float_tail_runs_in_the_products_call(tail_rows):
+    """A quantized layer with a blocked float tail (the GDN in_proj) runs as one linear_quant_tail
+    call: the same bits as the method's apply (the quantized product, the tail's, a cat) at decode's
+    and prefill's row counts (16 and more: the widened form where the level has no bf16 dot)."""
+    from hybrid_engine.kernels.linear.cpu import CpuLinearMethod
+    g = torch.Generator().manual_seed(5)
+    shards = {"in_proj_qkv": 64, "in_proj_z": 32, "in_proj_b": tail_rows // 2, "in_proj_a": tail_rows // 2}
+    w = torch.randn(96 + tail_rows, 64, generator=g).bfloat16()
+    method = QuantizedLinearMethod(4, 32, native=True, float_shards=("in_proj_b", "in_proj_a"),
+                                   float_method=CpuLinearMethod())
+    layer = _layer(w, method, shards)
+    calls = []
+    fused = torch.ops.hybrid_engine_cpu.linear_quant_tail
+    counting = type("Op", (), {"default": staticmethod(lambda *a: calls.append(1) or fused.default(*a))})
+    with mock.patch.object(torch.ops.hybrid_engine_cpu, "linear_quant_tail", counting):
+        layer._bind(method.product(layer))
+        for rows in (1, 3, 16, 40):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            got = layer(x)
+            assert got.shape == (rows, 96 + tail_rows) and got.is_contiguous()
+            assert torch.equal(got, method.apply(layer, x)), rows
+    assert len(calls) == 4
+
+
+@needs_native_levels
+@pytest.mark.parametrize("level", NATIVE_LEVELS)
+def test_native_tail_product_is_the_two_products(level):
+    from hybrid_engine.kernels.linear.blocked import block_weight
+    ops = native_ops(level)
+    g = torch.Generator().manual_seed(6)
+    q = pack(quantize(torch.randn(48, 64, generator=g), 8, 32))
+    tail = block_weight(torch.randn(16, 64, generator=g).bfloat16())
+    for rows in (1, 5):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        for widen in (False, True):
+            want = torch.cat([ops.linear_quant(x, q, None, 8, 32), ops.linear_blocked(x, tail, widen)[:, :12]], -1)
+            assert torch.equal(ops.linear_quant_tail(x, q, None, 8, 32, tail, widen, 12), want)
+    with pytest.raises(ValueError, match=r"linear_quant_tail: 17 rows of a blocked tail \(1, 32, 16, 2\) of 16"):
+        ops.linear_quant_tail(x, q, None, 8, 32, tail, False, 17)
+
+
 def test_method_refuses_float_shards_that_are_not_the_last():
     method = QuantizedLinearMethod(8, 32, float_shards=("in_proj_qkv",))
     with pytest.raises(ValueError, match="not the last"):

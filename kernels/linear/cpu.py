@@ -110,6 +110,10 @@ class BlockedProjection(Projection):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._crop(blocked_linear(x, self.blocked))
 
+    def widens(self, rows: int) -> bool:
+        """Whether a product of `rows` rows of x takes the kernel's widened-tile form."""
+        return False
+
     def _crop(self, y: torch.Tensor) -> torch.Tensor:
         if y.shape[-1] == self.out_features:
             return y
@@ -126,8 +130,10 @@ class WideningProjection(BlockedProjection):
     take the kernel's widened-tile form (the module docstring)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        return self._crop(blocked_linear(x, self.blocked, widen=rows >= WIDEN_MIN_ROWS))
+        return self._crop(blocked_linear(x, self.blocked, widen=self.widens(x.numel() // x.shape[-1])))
+
+    def widens(self, rows: int) -> bool:
+        return rows >= WIDEN_MIN_ROWS
 
 
 class OneDNNProjection(Projection):

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu import BlockedProjection
 from .reference import LinearMethod, shard_names
 
 BLOCK = 16
@@ -565,20 +566,31 @@ class QuantizedLinearMethod(LinearMethod):
             return y if y.is_contiguous() else y.contiguous()      # (cropped: a view of the padded rows)
         return rescore_top_reference(x, y, layer.row_table, self.rows_bits, self.group_size, RESCORED_ROWS)
 
-    def _runs_plain(self, layer: nn.Module) -> bool:
+    def _runs_plain(self, layer: nn.Module, tail: bool = False) -> bool:
         """Whether the layer's product is the native op's call alone: rows a multiple of 16, no
-        float tail, no input order, no rescoring."""
-        return (self.native and layer.float_tail is None and layer.input_order is None and layer.row_table is None
+        input order, no rescoring, and no float tail (tail=True: or one the cpu method blocks,
+        which linear_quant_tail runs in the same call)."""
+        return (self.native and layer.input_order is None and layer.row_table is None
+                and (layer.float_tail is None or tail and isinstance(layer.tail_product, BlockedProjection))
                 and layer.qweight.device.type == "cpu" and layer.qweight.shape[0] * BLOCK == layer.quantized_rows)
 
     def product(self, layer: nn.Module):
         """The usual layer (`_runs_plain`) as the op's call itself: a 0.8B decode step makes
-        about a hundred of them."""
-        if self._runs_plain(layer):
-            op, bits, group = torch.ops.hybrid_engine_cpu.linear_quant.default, self.bits, self.group_size
-            # the weights read at each call: load_quantized may replace them after this
+        about a hundred of them, a GDN in_proj with its float b and a rows one of them."""
+        if not self._runs_plain(layer, tail=True):
+            return super().product(layer)
+        bits, group = self.bits, self.group_size
+        # the weights read at each call: load_quantized may replace them after this
+        if layer.float_tail is None:
+            op = torch.ops.hybrid_engine_cpu.linear_quant.default
             return lambda x: op(x, layer.qweight, layer.qzeros, bits, group)
-        return super().product(layer)
+        op = torch.ops.hybrid_engine_cpu.linear_quant_tail.default
+
+        def with_tail(x: torch.Tensor) -> torch.Tensor:
+            tail = layer.tail_product
+            return op(x, layer.qweight, layer.qzeros, bits, group, tail.blocked, tail.widens(x.numel() // x.shape[-1]),
+                      tail.out_features)
+        return with_tail
 
     def apply_swiglu(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor, silu_mul) -> torch.Tensor:
         """Both products and the activation in one native call (mlp_quant: linear_quant, silu_mul,

@@ -696,6 +696,27 @@ Tensor silu_mul_op(const Tensor& x) {
   return y;
 }
 
+// ---- a quantized projection with float rows after it ------------------------------------------
+
+// x [..., K] -> [x Wq^T | (x Wt^T)[..., :tail_rows]]: a quantized layer whose last shards stay float
+// (the GDN in_proj's b and a rows), its packed product and its blocked float tail's (widen: the
+// widened-tile form, linear_blocked's flag) in one call, the same values as linear_quant,
+// linear_blocked and a cat, without the Python and dispatch between them.
+Tensor quant_linear_tail_op(const Tensor& x, const Tensor& q, const std::optional<Tensor>& zeros, int64_t bits,
+                            int64_t group, const Tensor& tail_blocked, bool widen, int64_t tail_rows) {
+  const Tensor y = quant_linear_op(x, q, zeros, bits, group);
+  const Tensor tail = blocked_linear_op(x, tail_blocked, widen);
+  TORCH_CHECK_VALUE(tail_rows >= 0 && tail_rows <= tail.size(-1), "linear_quant_tail: ", tail_rows,
+                    " rows of a blocked tail ", shape(tail_blocked), " of ", tail.size(-1));
+  std::vector<int64_t> sizes = y.sizes().vec();
+  const int64_t n = sizes.back();
+  sizes.back() = n + tail_rows;
+  Tensor out = at::empty(sizes, y.options());
+  out.narrow(-1, 0, n).copy_(y);
+  out.narrow(-1, n, tail_rows).copy_(tail.narrow(-1, 0, tail_rows));
+  return out;
+}
+
 // ---- the quantized SwiGLU MLP -----------------------------------------------------------------
 
 // x [..., H] -> silu_mul(x Wgu^T) Wd^T [..., N] from two packed quantized weights (gate_up: the
@@ -748,6 +769,8 @@ void define_ops(torch::Library& m) {
   m.def("quant_rows(Tensor q, Tensor? zeros, Tensor ids, int bits, int group, int k) -> Tensor");
   m.def("rescore_top(Tensor x, Tensor(a!) y, Tensor q, Tensor? zeros, int bits, int group, int count) -> ()");
   m.def("mlp_blocked(Tensor x, Tensor gate_up_blocked, Tensor down_blocked) -> Tensor");
+  m.def("linear_quant_tail(Tensor x, Tensor q, Tensor? zeros, int bits, int group, Tensor tail_blocked, bool widen, "
+        "int tail_rows) -> Tensor");
   m.def("mlp_quant(Tensor x, Tensor gate_up_q, Tensor? gate_up_zeros, Tensor down_q, Tensor? down_zeros, "
         "int bits, int group) -> Tensor");
   m.def("gdn_recurrent(Tensor kq, Tensor decay, Tensor beta, Tensor v, Tensor(a!) state_pool, "
@@ -772,6 +795,7 @@ void cpu_impls(torch::Library& m) {
   m.impl("linear_blocked", blocked_linear_op);
   m.impl("mlp_blocked", blocked_mlp_op);
   m.impl("mlp_quant", quant_mlp_op);
+  m.impl("linear_quant_tail", quant_linear_tail_op);
   m.impl("blocked_rows", blocked_rows_op);
   m.impl("linear_quant", quant_linear_op);
   m.impl("quantize_int4", quantize_int4_op);

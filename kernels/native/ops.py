@@ -30,6 +30,8 @@ BLOCK = 16          # output columns per block of a blocked weight (kernels/line
 FAKES = {
     "linear_blocked": lambda x, w_blocked, widen: x.new_empty(*x.shape[:-1], w_blocked.shape[0] * BLOCK),
     "linear_quant": lambda x, q, zeros, bits, group: x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK),
+    "linear_quant_tail": lambda x, q, zeros, bits, group, tail_blocked, widen, tail_rows:
+        x.new_empty(*x.shape[:-1], q.shape[0] * BLOCK + tail_rows),
     "quantize_int4": lambda w, group: (w.new_empty(w.shape, dtype=torch.int8),
                                        w.new_empty(w.shape[0], w.shape[1] // group, dtype=torch.float16)),
     "quant_rows": lambda q, zeros, ids, bits, group, k: q.new_empty(ids.shape[0], k, dtype=torch.float32),
