@@ -52,6 +52,7 @@
 #include <omp.h>
 
 #include "linear/blocked_tiles.h"
+#include "linear/quant_layout.h"
 #include "native/kernels.h"
 #include "native/simd.h"
 
@@ -130,12 +131,8 @@ inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) 
   return (const char*)p + PREFETCH_BYTES + (offset + PREFETCH_BYTES >= qstride ? (NR - 1) * qstride : 0);
 }
 
-constexpr int SCALE_BYTES = 64;        // a unit's scales: two groups x 16 columns of float16
-
-inline size_t block_bytes(int K, int group, int bits) {
-  const int groups = K / group;
-  return (size_t)(groups + 1) / 2 * SCALE_BYTES + (size_t)groups * group * 16 * bits / 8;
-}
+using quant_layout::block_bytes;
+using quant_layout::SCALE_BYTES;
 
 // The offset the tiles' integer sums carry per unit of x: int4's nibbles hold q + 8, int8's bytes
 // q + 128, which vpdpbusd reads as they are and the tiles without VNNI flip back to signed first.

@@ -26,13 +26,15 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "linear/quant_layout.h"
 #include "native/kernels.h"
 #include "native/simd.h"
 
 namespace {
 
-constexpr int BLOCK = 16;              // rows a block of the packed layout holds
-constexpr int SCALE_BYTES = 64;        // a unit's float16 scales: [2 groups][16 rows]
+using quant_layout::BLOCK;               // rows of W a block holds (the product's columns)
+using quant_layout::SCALE_BYTES;
+using quant_layout::STEP_BYTES;
 
 struct Packed {
   const uint8_t* q;
@@ -46,8 +48,8 @@ struct Packed {
 void dequantize_row(const Packed& w, int64_t id, float* out) {
   const int64_t b = id / BLOCK;
   const int c = (int)(id % BLOCK), groups = w.K / w.group;
-  const int code_bytes = w.group * BLOCK * w.bits / 8, unit = SCALE_BYTES + 2 * code_bytes;
-  const int middle = w.bits == 8 ? 128 : 8;
+  const int code_bytes = (int)quant_layout::group_code_bytes(w.group, w.bits), unit = SCALE_BYTES + 2 * code_bytes;
+  const int middle = quant_layout::middle(w.bits);
   const uint8_t* block = w.q + b * w.block_bytes;
   for (int g = 0; g < groups; g++) {
     const uint8_t* u = block + (int64_t)(g / 2) * unit;
@@ -55,15 +57,15 @@ void dequantize_row(const Packed& w, int64_t id, float* out) {
     memcpy(&half, u + ((g % 2) * BLOCK + c) * 2, 2);
     const float scale = _cvtsh_ss(half);
     const int offset = middle + (w.zeros ? w.zeros[(b * groups + g) * BLOCK + c] : 0);
-    const uint8_t* codes = u + SCALE_BYTES + (g % 2) * code_bytes + c * 4;    // lanes 64 bytes apart
+    const uint8_t* codes = u + SCALE_BYTES + (g % 2) * code_bytes + c * 4;    // a column's lane of each step
     float* o = out + (int64_t)g * w.group;
     if (w.bits == 8) {
       for (int s = 0; s < w.group / 4; s++)
-        for (int j = 0; j < 4; j++) o[4 * s + j] = (float)(codes[s * 64 + j] - offset) * scale;
+        for (int j = 0; j < 4; j++) o[4 * s + j] = (float)(codes[s * STEP_BYTES + j] - offset) * scale;
     } else {
       for (int s = 0; s < w.group / 8; s++)
         for (int j = 0; j < 4; j++) {
-          const int byte = codes[s * 64 + j];
+          const int byte = codes[s * STEP_BYTES + j];
           o[8 * s + j] = (float)((byte & 15) - offset) * scale;
           o[8 * s + 4 + j] = (float)((byte >> 4) - offset) * scale;
         }
