@@ -2,13 +2,13 @@
 against the time inside its quantized products (each kind: the plain projections, the GDN
 in_proj with its float tail, the MLPs, the lm_head with its rescoring) and inside the GDN decode
 op, every call timed from Python around the op; and, in a second engine whose products return
-uninitialised outputs at once, the step without them (`fixed`: everything but the products'
+uninitialised outputs at once, the step without them (`fixed_ms`: everything but the products'
 arithmetic and reads). Blocks of steps alternate with bandwidth probes, as roofline_pairs.py.
 
     python benchmarks/probes/bench_step_anatomy.py CHECKPOINT [--quantization int4] [--steps 32] [--blocks 4] [--json F]
 
-What it showed (benchmarks/RESULTS.md, issue 39, session 37): the products run near the probe's
-bandwidth, and the step's rest (GDN op, small ops, Python) is larger with the products than
+What it showed (benchmarks/RESULTS.md, issue 39, session 37): the products read at 80-85% of the
+probe's bandwidth, and the rest of the step (small ops, Python) is larger with the products than
 without them.
 """
 
