@@ -30,6 +30,8 @@ scales per block cost more than its share of the bytes (quant_linear.cpp says wh
 The native kernel rounds x to int8 in blocks of 32 (llama.cpp's Q8_0, as its quantized products
 do) and sums integers (quant_linear.cpp says why); `quant_linear_reference` computes the same
 from the dequantized values, with x rounded the same way (int8_activations) or kept float.
+Natively, a SwiGLU of two such layers runs as one op (mlp_quant: both products and silu_mul), and
+a layer with a blocked float tail as one (linear_quant_tail): the same bits as their calls apart.
 """
 
 from __future__ import annotations
