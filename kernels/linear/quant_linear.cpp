@@ -133,6 +133,7 @@ inline const char* prefetch_at(const uint8_t* p, size_t offset, size_t qstride) 
 
 using quant_layout::block_bytes;
 using quant_layout::SCALE_BYTES;
+using quant_layout::STEP_BYTES;
 
 // The offset the tiles' integer sums carry per unit of x: int4's nibbles hold q + 8, int8's bytes
 // q + 128, which vpdpbusd reads as they are and the tiles without VNNI flip back to signed first.
@@ -226,7 +227,7 @@ static void quantize_x(const XIn* x, int M, int K, int8_t* qx, float* sx, int32_
 template <int MR, int NR, int BITS, bool ZP, typename Y, typename Store>
 static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t* q, size_t qstride,
                               const int8_t* zp, size_t zstride, int group, Y* y, int N, int n0, Store store) {
-  constexpr int LANE_BYTES = 64 / VB;           // bytes of one weight vector: 16 / VB columns x 4 bytes
+  constexpr int LANE_BYTES = STEP_BYTES / VB;   // bytes of one weight vector: 16 / VB columns x 4 bytes
   const int blocks = K / QK;
   simd::F acc[MR][NR * VB];
   for (int r = 0; r < MR; r++)
@@ -248,9 +249,9 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
       for (int s = 0; s < QK / 4; s++) {           // 4 k a step
         simd::I w[NR * VB];
         for (int j = 0; j < NR; j++) {
-          const uint8_t* p = q + j * qstride + codes + s * 64;
+          const uint8_t* p = q + j * qstride + codes + s * STEP_BYTES;
           for (int v = 0; v < VB; v++) w[j * VB + v] = simd::load_bits(p + v * LANE_BYTES);
-          _mm_prefetch(prefetch_at<NR>(p, codes + s * 64, qstride), PREFETCH_HINT);
+          _mm_prefetch(prefetch_at<NR>(p, codes + s * STEP_BYTES, qstride), PREFETCH_HINT);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four;
@@ -286,13 +287,13 @@ static inline void quant_tile(const QuantizedX& x, int m0, int K, const uint8_t*
       for (int s = 0; s < QK / 8; s++) {           // 8 k a step: low nibbles k 0-3, high k 4-7
         simd::I lo[NR * VB], hi[NR * VB];
         for (int j = 0; j < NR; j++) {
-          const uint8_t* p = q + j * qstride + codes + s * 64;
+          const uint8_t* p = q + j * qstride + codes + s * STEP_BYTES;
           for (int v = 0; v < VB; v++) {
             const simd::I packed = simd::load_bits(p + v * LANE_BYTES);
             lo[j * VB + v] = and_i(packed, low4);
             hi[j * VB + v] = and_i(srli16(packed, 4), low4);
           }
-          _mm_prefetch(prefetch_at<NR>(p, codes + s * 64, qstride), PREFETCH_HINT);
+          _mm_prefetch(prefetch_at<NR>(p, codes + s * STEP_BYTES, qstride), PREFETCH_HINT);
         }
         for (int r = 0; r < MR; r++) {
           int32_t four_lo, four_hi;
