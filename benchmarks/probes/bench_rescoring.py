@@ -72,10 +72,11 @@ def main() -> None:
         write_report(args.json, args.threads, rows)
 
 
-def write_report(path: str, threads: int, rows: list[dict]) -> None:
+def write_report(path: str, threads: int, rows: list[dict], **fields) -> None:
+    """A probe's JSON: the date, the level, the threads, its own fields, its rows."""
     with open(path, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_level": cpu_level(),
-                   "threads": threads, "rows": rows}, f, indent=1)
+                   "threads": threads, **fields, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,8 @@ from hybrid_engine import SamplingParams  # noqa: E402
 from hybrid_engine.kernels.gdn import decode_cpu  # noqa: E402
 from hybrid_engine.kernels.linear import quantized  # noqa: E402
 from hybrid_engine.kernels.native.isa import cpu_level  # noqa: E402
+
+from bench_rescoring import write_report  # noqa: E402  (this folder: the script's own, first on sys.path)
 
 Method = quantized.QuantizedLinearMethod
 
@@ -124,10 +125,7 @@ def main() -> None:
     print(f"medians: step {statistics.median(r['step_ms'] for r in rows):.2f} ms, "
           f"without products {statistics.median(r['fixed_ms'] for r in rows):.2f} ms (level {cpu_level()})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_level": cpu_level(),
-                       "threads": args.threads, "quantization": args.quantization, "steps": args.steps,
-                       "rows": rows}, f, indent=1)
+        write_report(args.json, args.threads, rows, quantization=args.quantization, steps=args.steps)
 
 
 if __name__ == "__main__":
