@@ -299,6 +299,11 @@ def test_cpu_float_tail_is_blocked_and_row_invariant():
     torch.testing.assert_close(together.float(), x.float() @ w[96:].float().t(), rtol=2e-2, atol=2e-2)
 
 
+def _counting(op, calls: list):
+    """A stand-in for the op packet `op` whose `.default` appends to `calls`, then runs op's."""
+    return type("Op", (), {"default": staticmethod(lambda *args: calls.append(1) or op.default(*args))})
+
+
 @needs_native
 @pytest.mark.parametrize("tail_rows", [8, 32])                   # 8: a tail padded to a block and cropped
 def test_cpu_float_tail_runs_in_the_products_call(tail_rows):
@@ -313,9 +318,8 @@ def test_cpu_float_tail_runs_in_the_products_call(tail_rows):
                                    float_method=CpuLinearMethod())
     layer = _layer(w, method, shards)
     calls = []
-    fused = torch.ops.hybrid_engine_cpu.linear_quant_tail
-    counting = type("Op", (), {"default": staticmethod(lambda *a: calls.append(1) or fused.default(*a))})
-    with mock.patch.object(torch.ops.hybrid_engine_cpu, "linear_quant_tail", counting):
+    with mock.patch.object(torch.ops.hybrid_engine_cpu, "linear_quant_tail",
+                           _counting(torch.ops.hybrid_engine_cpu.linear_quant_tail, calls)):
         layer._bind(method.product(layer))
         for rows in (1, 3, 16, 40):
             x = torch.randn(rows, 64, generator=g).bfloat16()
@@ -570,9 +574,8 @@ def test_method_swiglu_is_down_of_the_activated_gate_up(native, bits):
     method = QuantizedLinearMethod(bits, 32, native=native)
     gate_up = _layer(torch.randn(128, 64, generator=g) / 8, method, {"gate_proj": 64, "up_proj": 64})
     down = _layer(torch.randn(48, 64, generator=g) / 8, method)
-    fused = torch.ops.hybrid_engine_cpu.mlp_quant if native else None
     calls = []
-    counting = type("Op", (), {"default": staticmethod(lambda *a: calls.append(1) or fused.default(*a))})
+    counting = _counting(torch.ops.hybrid_engine_cpu.mlp_quant if native else None, calls)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 64, generator=g).to(dtype)
         want = down(silu_mul(gate_up(x)))
