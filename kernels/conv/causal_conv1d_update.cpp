@@ -35,11 +35,13 @@ namespace {
 
 constexpr int V = simd::W;
 constexpr int MAX_K = 4;
-// Outputs per thread below which a call runs on one thread: at decode sizes (one row of a
-// small model) the whole call is a few microseconds, less than waking a second thread, and a
-// descheduled one on a busy machine would hold the call up by milliseconds. torch's own
-// elementwise ops split work at this grain too (at::internal::GRAIN_SIZE).
-constexpr int64_t GRAIN = 32768;
+// Outputs per thread below which a call runs on one thread. An output costs far more here than
+// in an elementwise op (the permutes that gather its taps and window, K products, a SiLU and the
+// window written back), so the grain is a sixteenth of torch's elementwise one
+// (at::internal::GRAIN_SIZE): one decode row of a GDN layer (thousands of channels) runs on two
+// threads, which measured faster than one (benchmarks/RESULTS.md, issue 39), while a row of a
+// test-sized layer stays on one.
+constexpr int64_t GRAIN = 2048;
 // Groups per work item: each token's window is written as one run of a slot (CHUNK_GROUPS * V
 // channels, 6 KB of float32 at K = 4) rather than a few lines in each of B x T slots at once,
 // whose rows sit a multiple of 4 KB apart and so contend for the same L1 sets.
