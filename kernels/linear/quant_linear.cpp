@@ -55,6 +55,7 @@
 #include "linear/quant_layout.h"
 #include "native/kernels.h"
 #include "native/simd.h"
+#include "native/stealing_ranges.h"
 
 namespace {
 
@@ -358,15 +359,18 @@ static inline void quant_tile_rows(int rows, const QuantizedX& x, int m0, int K,
 }
 
 // Every panel of QMR rows against each group of NR blocks: a group's weights (NR x K bytes or
-// half that) stay in cache while the panels pass over them.
+// half that) stay in cache while the panels pass over them. The groups are shared out as
+// stealing_ranges.h describes: each thread's run of them in order, the last few to whichever
+// thread is free.
 template <int BITS, bool ZP, typename Y, typename Store>
 static void quant_product(const QuantizedX& x, const uint8_t* q, const int8_t* zp, Y* y, int M, int N, int K,
                           int group, int threads, Store store) {
   const int blocks = N / 16, NR = quant_blocks_per_tile(M < QMR ? M : QMR);
   const int groups = (blocks + NR - 1) / NR;
   const size_t qstride = block_bytes(K, group, BITS), zstride = (size_t)(K / group) * 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int g = 0; g < groups; g++) {
+  native::StealingRanges work(groups, threads);
+#pragma omp parallel num_threads(threads)
+  for (int g; (g = work.next(omp_get_thread_num())) >= 0;) {
     const int b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
     const uint8_t* qg = q + (size_t)b0 * qstride;
     const int8_t* zg = ZP ? zp + (size_t)b0 * zstride : nullptr;

@@ -41,7 +41,7 @@ SOURCES = tuple(KERNELS / name for name in ("linear/blocked_linear.cpp", "linear
                                             "sampling/token_bitmask.cpp"))
 OPS_SOURCE = HERE / "ops.cpp"
 NAMESPACE_SOURCE = HERE / "ops_namespace.cpp"
-HEADERS = (HERE / "simd.h", HERE / "kernels.h", KERNELS / "linear" / "blocked_tiles.h", KERNELS / "linear" / "quant_layout.h",
+HEADERS = (HERE / "simd.h", HERE / "kernels.h", HERE / "stealing_ranges.h", KERNELS / "linear" / "blocked_tiles.h", KERNELS / "linear" / "quant_layout.h",
            KERNELS / "gdn" / "delta_rule.h", KERNELS / "activation" / "silu_mul.h")
 NAMESPACE = "hybrid_engine_cpu"
 
