@@ -34,8 +34,8 @@ int main() {
     {
       const int t = omp_get_thread_num();
       volatile int sink = 0;
-      for (int i; (i = work.next(t)) >= 0;) {
-        taken[i]++;
+      for (native::StealingRanges::Cursor items(work, t); items.next();) {
+        taken[items.item()]++;
         for (int r = 0; r < t * skew; r++) sink = sink + r;
       }
     }

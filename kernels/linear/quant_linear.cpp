@@ -370,8 +370,8 @@ static void quant_product(const QuantizedX& x, const uint8_t* q, const int8_t* z
   const size_t qstride = block_bytes(K, group, BITS), zstride = (size_t)(K / group) * 16;
   native::StealingRanges work(groups, threads);
 #pragma omp parallel num_threads(threads)
-  for (int g; (g = work.next(omp_get_thread_num())) >= 0;) {
-    const int b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
+  for (native::StealingRanges::Cursor items(work, omp_get_thread_num()); items.next();) {
+    const int g = items.item(), b0 = g * NR, nb = blocks - b0 < NR ? blocks - b0 : NR;
     const uint8_t* qg = q + (size_t)b0 * qstride;
     const int8_t* zg = ZP ? zp + (size_t)b0 * zstride : nullptr;
     for (int m0 = 0; m0 < M; m0 += QMR) {
