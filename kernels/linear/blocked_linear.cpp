@@ -41,6 +41,7 @@
 #include "linear/blocked_tiles.h"
 #include "native/kernels.h"
 #include "native/simd.h"
+#include "native/stealing_ranges.h"
 
 // The tiles, x's panels and the scratch buffers: blocked_tiles.h.
 
@@ -193,9 +194,10 @@ static void blocked_linear(const typename T::W* x, const typename T::W* w, typen
   const int NR = balanced_blocks_per_tile<T>(M, blocks, num_threads);
   const int groups = (blocks + NR - 1) / NR;
   constexpr int LANE = 16 * T::K_PER_STEP;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int g = 0; g < groups; g++) {
-    const int b0 = g * NR;
+  native::StealingRanges work(groups, num_threads);    // as the quantized products share theirs
+#pragma omp parallel num_threads(num_threads)
+  for (native::StealingRanges::Cursor items(work, omp_get_thread_num()); items.next();) {
+    const int g = items.item(), b0 = g * NR;
     const int nb = blocks - b0 < NR ? blocks - b0 : NR;
     group_product<T>(nb, xp, w + (size_t)b0 * steps * LANE, steps, y, M, N, b0 * 16);
   }

@@ -106,9 +106,10 @@ static int blocks_per_tile(int M) {
 
 // The same for a product of `blocks` blocks on `threads` threads: up to 4 rows, where the tile
 // shape matters little (the rule above: +0-5% at 1 row), the widest tile at most that wide whose
-// groups split most evenly over the threads under the static schedule. The default model's
-// 192-column products are 12 blocks: 3 groups of 4 put 8 blocks on one of 2 threads, 4 groups
-// of 3 put 6 on each. Each output is the same FMA chain in any tile: the same values.
+// groups split most evenly over the threads (each thread starts on a run of its own:
+// stealing_ranges.h). The default model's 192-column products are 12 blocks: 3 groups of 4 put 8
+// blocks on one of 2 threads, 4 groups of 3 put 6 on each. Each output is the same FMA chain in
+// any tile: the same values.
 template <typename T>
 static int balanced_blocks_per_tile(int M, int blocks, int threads) {
   const int widest = blocks_per_tile<T>(M);
