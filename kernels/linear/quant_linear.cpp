@@ -124,7 +124,7 @@ constexpr int PREFETCH_BYTES = 2048;    // ahead in each block's stream of q (PR
 
 // What to prefetch at `offset` bytes into a block's stream `p` of a tile of NR blocks, qstride
 // bytes each: PREFETCH_BYTES ahead, or past the stream's end as far into the same block of the
-// next group of NR blocks (under the static schedule the thread's next tile), whose streams
+// next group of NR blocks (within a thread's run of groups its next tile), whose streams
 // would otherwise start cold: at 1,024 input columns a stream is only 16 KB (int8) or 8 KB
 // (int4), so each tile would start on a few cold lines (benchmarks/RESULTS.md, issue 39).
 template <int NR>
