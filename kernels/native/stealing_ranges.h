@@ -30,7 +30,8 @@ class StealingRanges {
  public:
   static constexpr int MAX_THREADS = 64;
 
-  // n items over `threads` ranges (at most MAX_THREADS; more threads share the last ranges)
+  // n items over `threads` ranges (at most MAX_THREADS: in a larger team thread t shares range
+  // t % MAX_THREADS's front with its other takers)
   StealingRanges(int n, int threads) : count_(threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads) {
     for (int t = 0; t < count_; t++)
       ranges_[t].bounds.store(pack((int64_t)n * t / count_, (int64_t)n * (t + 1) / count_), std::memory_order_relaxed);
