@@ -29,7 +29,6 @@ int main() {
     native::StealingRanges work(n, ranges);
     std::vector<std::atomic<int>> taken(n);
     for (auto& c : taken) c.store(0);
-    std::atomic<int> stolen(0);
 #pragma omp parallel num_threads(team)
     {
       const int t = omp_get_thread_num();
@@ -51,7 +50,7 @@ int main() {
 def driver(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("stealing_ranges")
     (folder / "driver.cpp").write_text(DRIVER)
-    subprocess.run([build._compiler(), "-O2", "-fopenmp", "-std=c++17", f"-I{build.KERNELS}",
+    subprocess.run([build._compiler(), *build.KERNEL_FLAGS, f"-I{build.KERNELS}",   # the kernels' own flags
                     str(folder / "driver.cpp"), "-o", str(folder / "driver")], check=True)
     return folder / "driver"
 
