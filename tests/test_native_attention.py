@@ -58,6 +58,10 @@ CASES = [  # seed, N, Q, nh, nkv, hd, block_size
     (4, 5, 3, 4, 1, 16, 1),        # verify k = 2, one kv head, one slot per block
     (5, 2, 4, 16, 4, 128, 32),     # k = 3
     (6, 3, 5, 8, 2, 48, 16),       # k = 4; head dim not a multiple of the AVX-512 width twice
+    # heads a kv head serves (the kernel takes them 4, 2 and 1 at a time): 3, 5 and 6
+    (7, 2, 2, 6, 2, 32, 16),
+    (8, 1, 3, 10, 2, 64, 8),
+    (9, 2, 1, 12, 2, 48, 16),
 ]
 
 

@@ -32,6 +32,8 @@ inline void column_block(const float* k, const float* q, simd::F a, simd::F beta
   for (int i = 0; i < dk; i++) {
     const simd::F ki = simd::set1(k[i]), qi = simd::set1(q[i]);
     const float* row = src + (int64_t)i * dv + j0;
+    if (dst != src)          // the block's rows of dst, asked for while its sums are taken
+      for (int c = 0; c < NV * simd::W; c += 16) _mm_prefetch((const char*)(dst + (int64_t)i * dv + j0 + c), _MM_HINT_T0);
     for (int n = 0; n < NV; n++) {
       const simd::F s = simd::load(row + n * simd::W);
       ks[n] = simd::fmadd(ki, s, ks[n]);
