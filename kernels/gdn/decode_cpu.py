@@ -92,5 +92,5 @@ def decode_kernel_serves_prefill(conv_pool: torch.Tensor, state_pool: torch.Tens
     state written only at the end and at checkpoints): where its native kernel serves the layer.
     There it beats the chunked form at every length measured (benchmarks/history/RESULTS_LOG.md),
     with the same result to float32 rounding: the chunked form's ~40 torch ops and triangular
-    solves cost more than the recurrence's two passes over each state per token."""
+    solves cost more than the recurrence's one read and write of each state per token."""
     return serves_layer(conv_pool, state_pool, conv_kernel, dtype)

@@ -3,10 +3,11 @@
 //
 // Why: at batch 16 of Qwen3.5-0.8B the states are 16 x 18 layers x 1 MB per step, and the torch
 // form (a bmm for the two reads, mul_ for the decay, baddbmm_ for the rank-1 update) passes
-// over each state five times per token. Here each head's S [dk, dv] is read once for both
-// reads (k^T S, q^T S), then decayed, updated and written in a second pass while it is still
-// in L2: two passes per token. On small models the gain is the op count instead: one call
-// per layer for any batch and draft length, where the torch form dispatches ~8 ops per token.
+// over each state five times per token. Here each head's S [dk, dv] is read from memory once
+// a token: a block of its columns at a time, for both reads (k^T S, q^T S), then decayed,
+// updated and written while the block is still in L1 (delta_rule.h). On small models the gain
+// is the op count instead: one call per layer for any batch and draft length, where the torch
+// form dispatches ~8 ops per token.
 //
 // Per request b, head h and token t: the step of delta_rule.h, from the state the previous token
 // wrote (the read slot's for the first), to pool[write_slots[b, t]], or to a scratch state when
